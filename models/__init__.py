@@ -1,0 +1,114 @@
+"""Adapters from HuggingFace Flax transformers to :class:`LayeredModel`.
+
+Use :func:`create` to get a model and its canonical parameters, either randomly
+initialised from a config or loaded with ``from_pretrained`` from a local
+directory or HF cache entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from transformers import BertConfig, ViTConfig
+
+from models import bert, vit
+from models.layered import LayeredModel, num_units
+
+#: Named architectures (HF configs of the published models).
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    'vit-b16': ('vit', dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                            intermediate_size=3072, image_size=224, patch_size=16,
+                            num_labels=1000)),
+    'vit-l16': ('vit', dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                            intermediate_size=4096, image_size=224, patch_size=16,
+                            num_labels=1000)),
+    'bert-base': ('bert-classification', dict(hidden_size=768, num_hidden_layers=12,
+                                              num_attention_heads=12, intermediate_size=3072,
+                                              num_labels=2)),
+    'bert-large': ('bert-question_answering', dict(hidden_size=1024, num_hidden_layers=24,
+                                                   num_attention_heads=16,
+                                                   intermediate_size=4096, num_labels=2)),
+}
+
+#: Model kinds: the HF Flax class and the HF config class of each.
+KINDS = ('vit', 'bert-classification', 'bert-question_answering', 'bert-encoder')
+
+
+@dataclasses.dataclass(frozen=True)
+class Created:
+  """A model with its canonical parameters and the HF class it mirrors."""
+  model: LayeredModel
+  params: Any
+  hf_class: type
+
+
+def _hf_class(kind: str):
+  import transformers  # noqa: PLC0415 - heavy import kept local
+  return {
+      'vit': transformers.FlaxViTForImageClassification,
+      'bert-classification': transformers.FlaxBertForSequenceClassification,
+      'bert-question_answering': transformers.FlaxBertForQuestionAnswering,
+      'bert-encoder': transformers.FlaxBertModel,
+  }[kind]
+
+
+def build(kind: str, hf_config) -> LayeredModel:
+  """The :class:`LayeredModel` of model ``kind`` for an HF config."""
+  if kind == 'vit':
+    return vit.build(hf_config)
+  if kind.startswith('bert-') and kind in KINDS:
+    return bert.build(hf_config, head=kind[len('bert-'):])
+  raise ValueError(f'unknown model kind {kind!r}; expected one of {KINDS}')
+
+
+def config_for(kind: str, **overrides):
+  """An HF config for ``kind`` (ViTConfig or BertConfig) with ``overrides``."""
+  if kind not in KINDS:
+    raise ValueError(f'unknown model kind {kind!r}; expected one of {KINDS}')
+  return (ViTConfig if kind == 'vit' else BertConfig)(**overrides)
+
+
+def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: int = 0,
+           abstract: bool = False) -> Created:
+  """Creates a layered model and its canonical parameters.
+
+  Args:
+    kind: one of :data:`KINDS`.
+    hf_config: the HF config for random initialisation (ignored when
+      ``pretrained`` is given, whose own config is used).
+    pretrained: a local directory or HF hub name (resolved from the local HF
+      cache) for ``from_pretrained``; PyTorch/safetensors weights are converted
+      with ``from_pt=True`` when no Flax weights are present.
+    seed: PRNG seed of the random initialisation.
+    abstract: return ``jax.ShapeDtypeStruct`` leaves instead of arrays (for
+      planning without allocating the model).
+  """
+  hf_class = _hf_class(kind)
+  if pretrained is not None:
+    hf = _from_pretrained(hf_class, pretrained)
+    hf_config, hf_params = hf.config, hf.params
+  else:
+    if hf_config is None:
+      raise ValueError('create() needs hf_config or pretrained')
+    hf = hf_class(hf_config, seed=seed, _do_init=False)
+    rng = jax.random.PRNGKey(seed)
+    init = hf.init_weights
+    shape = hf.input_shape
+    hf_params = (jax.eval_shape(lambda: init(rng, shape)) if abstract else init(rng, shape))
+  model = build(kind, hf_config)
+  params = model.from_hf(hf_params)
+  return Created(model=model, params=params, hf_class=hf_class)
+
+
+def _from_pretrained(hf_class, path: str):
+  import os  # noqa: PLC0415
+  has_flax = os.path.isdir(path) and os.path.exists(os.path.join(path, 'flax_model.msgpack'))
+  try:
+    return hf_class.from_pretrained(path, from_pt=not has_flax)
+  except (OSError, ValueError, EnvironmentError) as e:
+    raise ValueError(f'cannot load pretrained model from {path!r}: {e}'.splitlines()[0]) from e
+
+
+__all__ = ['Created', 'KINDS', 'LayeredModel', 'PRESETS', 'build', 'config_for', 'create',
+           'num_units']

@@ -1,0 +1,146 @@
+"""HuggingFace Flax BERT (sequence classification, question answering, bare
+encoder) as a :class:`LayeredModel`.
+
+The BERT block is post-LN (``modeling_flax_bert.FlaxBertLayer``)::
+
+  attention sub-layer:  LN(h + SelfOutput(SelfAttention(h, attention_mask)))
+  mlp sub-layer:        LN(h + Output(Intermediate(h)))
+
+Both sub-layers include their residual. ``attention_mask [batch, seq]`` is read
+by every attention sub-layer from the batch, and ``token_type_ids`` by the
+embedding, so both reach every stage of a pipeline.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import flax.linen as nn
+from transformers import BertConfig
+from transformers.models.bert import modeling_flax_bert as hf_bert
+
+from models import layered
+
+#: The heads this adapter knows: HF top-level key of the encoder, head keys.
+HEADS = ('classification', 'question_answering', 'encoder')
+
+
+def _rngs(rng, train):
+  return {'dropout': rng} if (train and rng is not None) else {}
+
+
+def build(config: BertConfig, head: str = 'classification') -> layered.LayeredModel:
+  """Builds the layered view of a Flax BERT model.
+
+  Args:
+    config: the HF ``BertConfig``.
+    head: ``'classification'`` (``FlaxBertForSequenceClassification``; labels
+      ``labels [batch]``), ``'question_answering'``
+      (``FlaxBertForQuestionAnswering``; labels ``start_positions``,
+      ``end_positions [batch]``) or ``'encoder'`` (``FlaxBertModel``; the
+      "logits" are the last hidden states and the pooled output, no loss).
+  """
+  if head not in HEADS:
+    raise ValueError(f'unknown BERT head {head!r}; expected one of {HEADS}')
+  embeddings = hf_bert.FlaxBertEmbeddings(config)
+  attention = hf_bert.FlaxBertAttention(config)
+  intermediate = hf_bert.FlaxBertIntermediate(config)
+  output = hf_bert.FlaxBertOutput(config)
+  pooler = hf_bert.FlaxBertPooler(config)
+  dropout_rate = (config.classifier_dropout if getattr(config, 'classifier_dropout', None)
+                  is not None else config.hidden_dropout_prob)
+  dropout = nn.Dropout(rate=dropout_rate)
+  dense = nn.Dense(config.num_labels)
+  encoder_key = None if head == 'encoder' else 'bert'
+
+  def embed_fn(params, batch, rng, train):
+    input_ids = batch['input_ids']
+    position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+    return embeddings.apply({'params': params}, input_ids, batch['token_type_ids'],
+                            position_ids, batch['attention_mask'],
+                            deterministic=not train, rngs=_rngs(rng, train))
+
+  def attention_fn(params, hidden, batch, rng, train):
+    return attention.apply({'params': params}, hidden, batch['attention_mask'], None,
+                           deterministic=not train, rngs=_rngs(rng, train))[0]
+
+  def mlp_fn(params, hidden, batch, rng, train):
+    del batch
+    inner = intermediate.apply({'params': params['intermediate']}, hidden)
+    return output.apply({'params': params['output']}, inner, hidden,
+                        deterministic=not train, rngs=_rngs(rng, train))
+
+  def logits_fn(params, hidden, batch, rng, train):
+    del batch
+    if head == 'encoder':
+      return hidden, pooler.apply({'params': params['pooler']}, hidden)
+    if head == 'question_answering':
+      logits = dense.apply({'params': params['qa_outputs']}, hidden)
+      start, end = jnp.split(logits, config.num_labels, axis=-1)
+      return start.squeeze(-1), end.squeeze(-1)
+    pooled = pooler.apply({'params': params['pooler']}, hidden)
+    pooled = dropout.apply({}, pooled, deterministic=not train, rngs=_rngs(rng, train))
+    return dense.apply({'params': params['classifier']}, pooled)
+
+  def loss_fn(params, hidden, batch, rng, train):
+    if head == 'encoder':
+      raise ValueError("the 'encoder' head has no loss; use 'classification' or "
+                       "'question_answering' to train")
+    outputs = logits_fn(params, hidden, batch, rng, train)
+    if head == 'classification':
+      labels = batch['labels']
+      return (layered.softmax_cross_entropy(outputs, labels),
+              layered.classification_metrics(outputs, labels))
+    start_logits, end_logits = outputs
+    start, end = batch['start_positions'], batch['end_positions']
+    loss = 0.5 * (layered.softmax_cross_entropy(start_logits, start)
+                  + layered.softmax_cross_entropy(end_logits, end))
+    both = (jnp.argmax(start_logits, -1) == start) & (jnp.argmax(end_logits, -1) == end)
+    return loss, {'correct': jnp.sum(both).astype(jnp.float32),
+                  'count': jnp.asarray(start.shape[0], jnp.float32)}
+
+  def _encoder(hf):
+    return hf if encoder_key is None else hf[encoder_key]
+
+  def hf_to_canonical(hf):
+    enc = _encoder(hf)
+    layers = enc['encoder']['layer']
+    blocks = [layers[str(i)] for i in range(config.num_hidden_layers)]
+    if head == 'question_answering':
+      head_params = {'qa_outputs': hf['qa_outputs']}
+    elif head == 'classification':
+      head_params = {'pooler': enc['pooler'], 'classifier': hf['classifier']}
+    else:
+      head_params = {'pooler': enc['pooler']}
+    return {
+        'embed': enc['embeddings'],
+        'attention': layered.stack_trees([b['attention'] for b in blocks]),
+        'mlp': layered.stack_trees([{'intermediate': b['intermediate'], 'output': b['output']}
+                                    for b in blocks]),
+        'head': head_params,
+    }
+
+  def canonical_to_hf(params):
+    n = config.num_hidden_layers
+    attn = layered.unstack_tree(params['attention'], n)
+    mlp = layered.unstack_tree(params['mlp'], n)
+    enc = {'embeddings': params['embed'],
+           'encoder': {'layer': {str(i): {'attention': attn[i], **mlp[i]} for i in range(n)}}}
+    if 'pooler' in params['head']:
+      enc['pooler'] = params['head']['pooler']
+    if encoder_key is None:
+      return enc
+    out = {encoder_key: enc}
+    for key in ('classifier', 'qa_outputs'):
+      if key in params['head']:
+        out[key] = params['head'][key]
+    return out
+
+  return layered.LayeredModel(
+      name=f'bert-{head}', hf_config=config, num_layers=config.num_hidden_layers,
+      input_keys=('input_ids', 'attention_mask', 'token_type_ids'),
+      label_keys={'classification': ('labels',),
+                  'question_answering': ('start_positions', 'end_positions'),
+                  'encoder': ()}[head],
+      embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
+      logits_fn=logits_fn, loss_fn=loss_fn,
+      hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)
+

@@ -1,0 +1,144 @@
+"""A layered view of a transformer: embed, 2·L residual sub-layers, head.
+
+Every adapter in :mod:`models` turns a HuggingFace Flax model into a
+:class:`LayeredModel`. The model is a chain of *units*:
+
+``unit 0``            the embedding (patches / tokens → ``[batch, seq, hidden]``)
+``unit 1 + 2·i``      the attention sub-layer of block ``i`` (with its residual)
+``unit 2 + 2·i``      the MLP sub-layer of block ``i`` (with its residual)
+``unit 2·L + 1``      the head (final norm / pooler, classifier, loss, metrics)
+
+Because each sub-layer carries its own residual, a stage boundary between two
+units never cuts a skip connection (paper §3.2.1, Algorithm 1 lines 6-9).
+
+Parameters live in a *canonical* tree ``{'embed', 'attention', 'mlp', 'head'}``
+where ``attention`` and ``mlp`` are the per-block trees stacked on a leading
+axis of length L. :meth:`LayeredModel.from_hf` / :meth:`LayeredModel.to_hf`
+convert to and from the HF parameter tree exactly (no copies are changed), so
+HF checkpoints load and save unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+Batch = Mapping[str, jax.Array]
+
+
+def num_units(num_layers: int) -> int:
+  """Number of pipeline units of a model with ``num_layers`` blocks (2L + 2)."""
+  return 2 * num_layers + 2
+
+
+def stack_trees(trees: list[Params]) -> Params:
+  """Stacks identically-structured trees on a new leading axis."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def unstack_tree(tree: Params, n: int) -> list[Params]:
+  """Inverse of :func:`stack_trees` for a leading axis of length ``n``."""
+  return [jax.tree.map(lambda x, i=i: x[i], tree) for i in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredModel:
+  """Functional, layer-by-layer view of a transformer.
+
+  Attributes:
+    name: short model identifier, e.g. ``'vit'``, ``'bert-cls'``.
+    hf_config: the HF config the model was built from.
+    num_layers: L, the number of transformer blocks.
+    input_keys: batch keys the embedding and every block may read (model
+      inputs, e.g. ``('pixel_values',)`` or ``('input_ids', 'attention_mask',
+      'token_type_ids')``).
+    label_keys: batch keys the head reads for the loss.
+    embed_fn: ``(embed_params, batch, rng, train) -> hidden [b, seq, d]``.
+    attention_fn: ``(attn_params, hidden, batch, rng, train) -> hidden``,
+      one attention sub-layer including its residual.
+    mlp_fn: ``(mlp_params, hidden, batch, rng, train) -> hidden``, one MLP
+      sub-layer including its residual.
+    logits_fn: ``(head_params, hidden, batch, rng, train) -> outputs``, what the
+      HF model returns as logits (a tuple for QA: start and end logits).
+    loss_fn: ``(head_params, hidden, batch, rng, train) -> (loss, metrics)``;
+      ``loss`` is the mean over the batch, ``metrics`` a dict of *sums* over
+      the batch (e.g. ``correct``, ``count``), so they add over micro-batches.
+    hf_to_canonical / canonical_to_hf: exact parameter-tree conversions.
+  """
+
+  name: str
+  hf_config: Any
+  num_layers: int
+  input_keys: tuple[str, ...]
+  label_keys: tuple[str, ...]
+  embed_fn: Callable[..., jax.Array]
+  attention_fn: Callable[..., jax.Array]
+  mlp_fn: Callable[..., jax.Array]
+  logits_fn: Callable[..., Any]
+  loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+  hf_to_canonical: Callable[[Params], Params]
+  canonical_to_hf: Callable[[Params], Params]
+
+  @property
+  def num_units(self) -> int:
+    """Units in the chain: embed + 2·L sub-layers + head."""
+    return num_units(self.num_layers)
+
+  def from_hf(self, hf_params: Params) -> Params:
+    """HF parameter tree → canonical tree (blocks stacked on axis 0)."""
+    return self.hf_to_canonical(hf_params)
+
+  def to_hf(self, params: Params) -> Params:
+    """Canonical tree → HF parameter tree, exactly inverting :meth:`from_hf`."""
+    return self.canonical_to_hf(params)
+
+  def sublayer(self, params: Params, unit: int, hidden: jax.Array, batch: Batch,
+               rng: jax.Array | None = None, train: bool = False) -> jax.Array:
+    """Applies sub-layer ``unit`` (1 ≤ unit ≤ 2L) with canonical ``params``."""
+    layer, kind = divmod(unit - 1, 2)
+    stack = params['attention'] if kind == 0 else params['mlp']
+    fn = self.attention_fn if kind == 0 else self.mlp_fn
+    return fn(jax.tree.map(lambda x: x[layer], stack), hidden, batch, rng, train)
+
+  def hidden_states(self, params: Params, batch: Batch, *, upto_layer: int | None = None,
+                    rng: jax.Array | None = None, train: bool = False) -> jax.Array:
+    """Plain sequential forward through embed and the first ``upto_layer`` blocks.
+
+    Returns ``[batch, seq, hidden]``. ``upto_layer=None`` runs all L blocks.
+    """
+    upto_layer = self.num_layers if upto_layer is None else upto_layer
+    hidden = self.embed_fn(params['embed'], batch, unit_rng(rng, 0), train)
+    for unit in range(1, 2 * upto_layer + 1):
+      hidden = self.sublayer(params, unit, hidden, batch, unit_rng(rng, unit), train)
+    return hidden
+
+  def logits(self, params: Params, batch: Batch) -> Any:
+    """Sequential inference forward; equals the HF model's logits."""
+    hidden = self.hidden_states(params, batch)
+    return self.logits_fn(params['head'], hidden, batch, None, False)
+
+  def loss(self, params: Params, batch: Batch, rng: jax.Array | None = None,
+           train: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Sequential reference loss (mean over the batch) and summed metrics."""
+    hidden = self.hidden_states(params, batch, rng=rng, train=train)
+    return self.loss_fn(params['head'], hidden, batch, unit_rng(rng, self.num_units - 1), train)
+
+
+def unit_rng(rng: jax.Array | None, unit: int) -> jax.Array | None:
+  """The dropout key of one unit: the same wherever the unit runs."""
+  return None if rng is None else jax.random.fold_in(rng, unit)
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean cross-entropy of ``logits [b, classes]`` against integer ``labels [b]``."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1))
+
+
+def classification_metrics(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+  """Summed ``correct`` predictions and example ``count`` (add over micro-batches)."""
+  correct = jnp.sum(jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  return {'correct': correct, 'count': jnp.asarray(labels.shape[0], jnp.float32)}

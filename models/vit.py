@@ -1,0 +1,94 @@
+"""HuggingFace ``FlaxViTForImageClassification`` as a :class:`LayeredModel`.
+
+The ViT block is pre-LN (``modeling_flax_vit.FlaxViTLayer``)::
+
+  attention sub-layer:  h + Attention(LN_before(h))
+  mlp sub-layer:        h + Output(Intermediate(LN_after(h)))
+
+The head is the final LayerNorm and the classifier on the CLS token. Inputs are
+``pixel_values [batch, height, width, channels]`` (NHWC, as the Flax module
+takes them; the HF wrapper transposes from NCHW) and ``labels [batch]``.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+from transformers import ViTConfig
+from transformers.models.vit import modeling_flax_vit as hf_vit
+
+from models import layered
+
+_ATTENTION_KEYS = ('attention', 'layernorm_before')
+_MLP_KEYS = ('intermediate', 'output', 'layernorm_after')
+
+
+def _rngs(rng, train):
+  return {'dropout': rng} if (train and rng is not None) else {}
+
+
+def build(config: ViTConfig) -> layered.LayeredModel:
+  """Builds the layered view of ``FlaxViTForImageClassification(config)``."""
+  layer_norm = nn.LayerNorm(epsilon=config.layer_norm_eps)
+  embeddings = hf_vit.FlaxViTEmbeddings(config)
+  attention = hf_vit.FlaxViTAttention(config)
+  intermediate = hf_vit.FlaxViTIntermediate(config)
+  output = hf_vit.FlaxViTOutput(config)
+  classifier = nn.Dense(config.num_labels)
+
+  def embed_fn(params, batch, rng, train):
+    return embeddings.apply({'params': params}, batch['pixel_values'],
+                            deterministic=not train, rngs=_rngs(rng, train))
+
+  def attention_fn(params, hidden, batch, rng, train):
+    del batch
+    normed = layer_norm.apply({'params': params['layernorm_before']}, hidden)
+    out = attention.apply({'params': params['attention']}, normed,
+                          deterministic=not train, rngs=_rngs(rng, train))[0]
+    return out + hidden
+
+  def mlp_fn(params, hidden, batch, rng, train):
+    del batch
+    normed = layer_norm.apply({'params': params['layernorm_after']}, hidden)
+    inner = intermediate.apply({'params': params['intermediate']}, normed)
+    return output.apply({'params': params['output']}, inner, hidden,
+                        deterministic=not train, rngs=_rngs(rng, train))
+
+  def logits_fn(params, hidden, batch, rng, train):
+    del batch, rng, train
+    normed = layer_norm.apply({'params': params['layernorm']}, hidden)
+    return classifier.apply({'params': params['classifier']}, normed[:, 0, :])
+
+  def loss_fn(params, hidden, batch, rng, train):
+    logits = logits_fn(params, hidden, batch, rng, train)
+    labels = batch['labels']
+    return (layered.softmax_cross_entropy(logits, labels),
+            layered.classification_metrics(logits, labels))
+
+  def hf_to_canonical(hf):
+    layers = hf['vit']['encoder']['layer']
+    blocks = [layers[str(i)] for i in range(config.num_hidden_layers)]
+    return {
+        'embed': hf['vit']['embeddings'],
+        'attention': layered.stack_trees([{k: b[k] for k in _ATTENTION_KEYS} for b in blocks]),
+        'mlp': layered.stack_trees([{k: b[k] for k in _MLP_KEYS} for b in blocks]),
+        'head': {'layernorm': hf['vit']['layernorm'], 'classifier': hf['classifier']},
+    }
+
+  def canonical_to_hf(params):
+    n = config.num_hidden_layers
+    attn = layered.unstack_tree(params['attention'], n)
+    mlp = layered.unstack_tree(params['mlp'], n)
+    return {
+        'vit': {
+            'embeddings': params['embed'],
+            'encoder': {'layer': {str(i): {**attn[i], **mlp[i]} for i in range(n)}},
+            'layernorm': params['head']['layernorm'],
+        },
+        'classifier': params['head']['classifier'],
+    }
+
+  return layered.LayeredModel(
+      name='vit', hf_config=config, num_layers=config.num_hidden_layers,
+      input_keys=('pixel_values',), label_keys=('labels',),
+      embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
+      logits_fn=logits_fn, loss_fn=loss_fn,
+      hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)

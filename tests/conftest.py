@@ -1,0 +1,18 @@
+"""Every test sees 8 fake CPU devices: set before JAX is imported anywhere."""
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8').strip()
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings('ignore', message='.*TensorFlow and JAX classes are deprecated.*')
+
+import jax  # noqa: E402
+
+jax.config.update('jax_compilation_cache_dir',
+                  os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'jax-tests'))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)

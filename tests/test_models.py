@@ -1,0 +1,80 @@
+"""The layered view of each HF model equals the HF model itself."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from tests import fixtures
+
+
+@pytest.mark.parametrize('kind', ['vit', 'bert-classification', 'bert-question_answering'])
+def test_layered_logits_equal_hf(kind):
+  created = fixtures.tiny(kind)
+  batch = fixtures.batch(kind, created.model, 4, seed=1)
+  hf_model = created.hf_class(created.model.hf_config, _do_init=False)
+  hf_params = created.model.to_hf(created.params)
+  if kind == 'vit':
+    # The HF wrapper takes NCHW and transposes; the module takes NHWC.
+    ref = hf_model(np.transpose(batch['pixel_values'], (0, 3, 1, 2)), params=hf_params).logits
+  else:
+    out = hf_model(batch['input_ids'], batch['attention_mask'], batch['token_type_ids'],
+                   params=hf_params)
+    ref = out.logits if kind == 'bert-classification' else (out.start_logits, out.end_logits)
+  ours = jax.jit(created.model.logits)(created.params, batch)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('kind', ['vit', 'bert-classification', 'bert-question_answering'])
+def test_hf_tree_round_trip_is_exact(kind):
+  created = fixtures.tiny(kind)
+  hf_params = created.hf_class(created.model.hf_config, seed=3).params
+  back = created.model.to_hf(created.model.from_hf(hf_params))
+  assert jax.tree.structure(back) == jax.tree.structure(hf_params)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(hf_params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_attention_mask_reaches_every_block():
+  """Padding tokens must not influence other positions in any block."""
+  created = fixtures.tiny('bert-classification')
+  batch = fixtures.batch('bert-classification', created.model, 2, seed=2)
+  mask = np.ones_like(batch['attention_mask'])
+  mask[:, -3:] = 0
+  batch = {**batch, 'attention_mask': mask}
+  changed = dict(batch)
+  ids = np.array(batch['input_ids'])
+  ids[:, -3:] = (ids[:, -3:] + 7) % created.model.hf_config.vocab_size
+  changed['input_ids'] = ids
+  h1 = created.model.hidden_states(created.params, batch)
+  h2 = created.model.hidden_states(created.params, changed)
+  np.testing.assert_allclose(h1[:, :-3], h2[:, :-3], atol=1e-5)
+  assert not np.allclose(h1[:, -3:], h2[:, -3:])
+  # token_type_ids reach the embedding.
+  typed = {**batch, 'token_type_ids': 1 - batch['token_type_ids']}
+  assert not np.allclose(created.model.hidden_states(created.params, typed), h1)
+
+
+def test_pretrained_minilm_matches_flax_bert_model():
+  from transformers import AutoTokenizer, FlaxBertModel
+  path = fixtures.minilm_dir()
+  created = models.create('bert-encoder', pretrained=path)
+  assert created.model.num_layers == 6
+  tok = AutoTokenizer.from_pretrained(path)
+  enc = tok(['pipelines freeze converged layers', 'a short one'], padding='max_length',
+            max_length=16, return_tensors='np')
+  batch = {k: enc[k] for k in ('input_ids', 'attention_mask', 'token_type_ids')}
+  reference = FlaxBertModel.from_pretrained(path, from_pt=True)
+  ref = reference(**batch)
+  hidden, pooled = created.model.logits(created.params, batch)
+  np.testing.assert_allclose(hidden, ref.last_hidden_state, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(pooled, ref.pooler_output, atol=1e-5, rtol=0)
+  # The pretrained weights really arrived (not a random init).
+  np.testing.assert_array_equal(created.params['embed']['word_embeddings']['embedding'],
+                                reference.params['embeddings']['word_embeddings']['embedding'])
+  assert os.path.exists(os.path.join(path, 'model.safetensors'))
+  assert jnp.all(jnp.isfinite(hidden))
