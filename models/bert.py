@@ -140,7 +140,7 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
       label_keys={'classification': ('labels',),
                   'question_answering': ('start_positions', 'end_positions'),
                   'encoder': ()}[head],
-      embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
+      block_keys=('attention_mask',), embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
       logits_fn=logits_fn, loss_fn=loss_fn,
       hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)
 

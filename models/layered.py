@@ -56,6 +56,9 @@ class LayeredModel:
       inputs, e.g. ``('pixel_values',)`` or ``('input_ids', 'attention_mask',
       'token_type_ids')``).
     label_keys: batch keys the head reads for the loss.
+    block_keys: the input keys the blocks (not only the embedding) read, e.g.
+      BERT's ``attention_mask``; they travel with activations through the
+      pipeline and the frozen-prefix cache.
     embed_fn: ``(embed_params, batch, rng, train) -> hidden [b, seq, d]``.
     attention_fn: ``(attn_params, hidden, batch, rng, train) -> hidden``,
       one attention sub-layer including its residual.
@@ -74,6 +77,7 @@ class LayeredModel:
   num_layers: int
   input_keys: tuple[str, ...]
   label_keys: tuple[str, ...]
+  block_keys: tuple[str, ...]
   embed_fn: Callable[..., jax.Array]
   attention_fn: Callable[..., jax.Array]
   mlp_fn: Callable[..., jax.Array]

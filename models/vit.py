@@ -89,6 +89,6 @@ def build(config: ViTConfig) -> layered.LayeredModel:
   return layered.LayeredModel(
       name='vit', hf_config=config, num_layers=config.num_hidden_layers,
       input_keys=('pixel_values',), label_keys=('labels',),
-      embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
+      block_keys=(), embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
       logits_fn=logits_fn, loss_fn=loss_fn,
       hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)

@@ -1,0 +1,1 @@
+"""Runnable entry points: training jobs and benchmarks."""

@@ -1,0 +1,1 @@
+"""pipejax: elastic pipelining of transformers in JAX (PipeTransformer)."""

@@ -1,0 +1,219 @@
+"""Partitions of a layered model into pipeline stages, and the stage layout.
+
+The pipeline runs the *active* units of a :class:`models.LayeredModel`: the
+embedding (only while no layer is frozen), the sub-layers of the blocks that
+are not frozen, and the head. A :class:`Partition` assigns them, contiguously
+and in order, to ``pipeline_length`` stages; each stage gets at least one unit.
+
+On the devices every stage holds a padded stack of *block slots*: slot j of a
+stage is one transformer block of which the stage may own the attention
+half, the MLP half, or both (a stage boundary may fall between the two
+halves). ``stage_params['attention']`` and ``stage_params['mlp']`` are
+``[pipeline_length, slots, ...]`` stacks sharded over the mesh axis
+``'stage'``; unused halves and padded slots are zero and are skipped at run
+time (see :mod:`pipejax.pipeline`). Embedding and head parameters are
+replicated and used only by the first and last stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = Any
+
+
+class PartitionError(ValueError):
+  """A partition that does not cover the model's active units."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+  """Contiguous assignment of the active units to pipeline stages.
+
+  Attributes:
+    num_layers: L, the model's transformer blocks.
+    num_frozen_layers: leading blocks that are frozen and outside the pipeline
+      (with them the embedding); 0 means the embedding is the first unit.
+    stage_sizes: units per stage, in order; they sum to :attr:`num_active_units`.
+  """
+
+  num_layers: int
+  num_frozen_layers: int
+  stage_sizes: tuple[int, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, 'stage_sizes', tuple(int(s) for s in self.stage_sizes))
+    if not 0 <= self.num_frozen_layers < self.num_layers:
+      raise PartitionError(f'frozen layers must be in [0, {self.num_layers}), got '
+                           f'{self.num_frozen_layers}')
+    if not self.stage_sizes or min(self.stage_sizes) < 1:
+      raise PartitionError(f'every stage needs at least one unit; got stage sizes '
+                           f'{list(self.stage_sizes)}')
+    if sum(self.stage_sizes) != self.num_active_units:
+      raise PartitionError(
+          f'partition {list(self.stage_sizes)} covers {sum(self.stage_sizes)} units but the '
+          f'model has {self.num_active_units} active units (L={self.num_layers}, '
+          f'{self.num_frozen_layers} frozen); stage sizes must sum to that')
+
+  @property
+  def pipeline_length(self) -> int:
+    return len(self.stage_sizes)
+
+  @property
+  def has_embed(self) -> bool:
+    """Whether the embedding is in the pipeline (nothing frozen)."""
+    return self.num_frozen_layers == 0
+
+  @property
+  def active_units(self) -> tuple[int, ...]:
+    """Global unit ids in pipeline order (0 = embed, 2L+1 = head)."""
+    first = 0 if self.has_embed else 2 * self.num_frozen_layers + 1
+    sub = range(max(first, 1), 2 * self.num_layers + 1)
+    return ((0,) if self.has_embed else ()) + tuple(sub) + (2 * self.num_layers + 1,)
+
+  @property
+  def num_active_units(self) -> int:
+    return 2 * (self.num_layers - self.num_frozen_layers) + 1 + int(self.has_embed)
+
+  def stage_units(self) -> list[tuple[int, ...]]:
+    """The units of each stage."""
+    units, out, start = self.active_units, [], 0
+    for size in self.stage_sizes:
+      out.append(units[start:start + size])
+      start += size
+    return out
+
+  @functools.cached_property
+  def tables(self) -> 'SlotTables':
+    return _slot_tables(self)
+
+
+def even(num_layers: int, pipeline_length: int, num_frozen_layers: int = 0) -> Partition:
+  """The partition with unit counts as equal as possible (larger stages first)."""
+  n = 2 * (num_layers - num_frozen_layers) + 1 + int(num_frozen_layers == 0)
+  if pipeline_length > n:
+    raise PartitionError(f'pipeline length {pipeline_length} exceeds the {n} active units')
+  base, extra = divmod(n, pipeline_length)
+  return Partition(num_layers, num_frozen_layers,
+                   tuple(base + (i < extra) for i in range(pipeline_length)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SlotTables:
+  """Static per-stage tables of block slots (numpy, ``[stages, slots]``).
+
+  Attributes:
+    layer: global block index of each slot (0 where padded).
+    has_attention / has_mlp: whether the stage owns that half of the block.
+  """
+  layer: np.ndarray
+  has_attention: np.ndarray
+  has_mlp: np.ndarray
+
+  @property
+  def num_slots(self) -> int:
+    return int(self.layer.shape[1])
+
+
+def _slot_tables(partition: Partition) -> SlotTables:
+  per_stage = []
+  for units in partition.stage_units():
+    slots: list[list] = []  # [layer, has_attention, has_mlp]
+    for u in units:
+      if u == 0 or u == 2 * partition.num_layers + 1:
+        continue
+      layer, kind = divmod(u - 1, 2)
+      if not slots or slots[-1][0] != layer:
+        slots.append([layer, False, False])
+      slots[-1][1 + kind] = True
+    per_stage.append(slots)
+  width = max(1, max(len(s) for s in per_stage))
+  k = partition.pipeline_length
+  layer = np.zeros((k, width), np.int32)
+  has_a = np.zeros((k, width), bool)
+  has_m = np.zeros((k, width), bool)
+  for s, slots in enumerate(per_stage):
+    for j, (l, a, m) in enumerate(slots):
+      layer[s, j], has_a[s, j], has_m[s, j] = l, a, m
+  return SlotTables(layer, has_a, has_m)
+
+
+def to_stage_params(params: Params, partition: Partition) -> Params:
+  """Canonical parameters → stage layout (see module docstring).
+
+  Args:
+    params: canonical tree ``{'embed', 'attention' [L, ...], 'mlp' [L, ...], 'head'}``.
+    partition: the partition to lay out for.
+
+  Returns:
+    ``{'attention': [K, slots, ...], 'mlp': [K, slots, ...], 'head', ('embed')}``
+    with unused halves and padded slots zero. Traceable (use under ``jax.jit``
+    with ``out_shardings`` to build it directly on the mesh).
+  """
+  t = partition.tables
+
+  def gather(stack, mask):
+    taken = stack[t.layer]
+    m = mask.reshape(mask.shape + (1,) * (taken.ndim - 2))
+    return jnp.where(m, taken, jnp.zeros((), taken.dtype))
+
+  out = {'attention': jax.tree.map(lambda x: gather(x, t.has_attention), params['attention']),
+         'mlp': jax.tree.map(lambda x: gather(x, t.has_mlp), params['mlp']),
+         'head': params['head']}
+  if partition.has_embed:
+    out['embed'] = params['embed']
+  return out
+
+
+def from_stage_params(stage_params: Params, partition: Partition, base: Params) -> Params:
+  """Stage layout → canonical parameters, the exact inverse of
+  :func:`to_stage_params` on the active units.
+
+  Args:
+    stage_params: parameters in the stage layout of ``partition``.
+    partition: their partition.
+    base: canonical parameters that supply everything outside the pipeline
+      (the frozen blocks and, when frozen, the embedding).
+  """
+  t = partition.tables
+  where_a = {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(t.has_attention))}
+  where_m = {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(t.has_mlp))}
+
+  def scatter(stack, staged, where):
+    rows = [staged[where[l]] if l in where else stack[l] for l in range(partition.num_layers)]
+    return jnp.stack(rows)
+
+  out = {
+      'embed': stage_params['embed'] if partition.has_embed else base['embed'],
+      'attention': jax.tree.map(lambda b, s: scatter(b, s, where_a), base['attention'],
+                                stage_params['attention']),
+      'mlp': jax.tree.map(lambda b, s: scatter(b, s, where_m), base['mlp'], stage_params['mlp']),
+      'head': stage_params['head'],
+  }
+  return out
+
+
+def stage_parameter_counts(params: Params, partition: Partition) -> list[int]:
+  """Parameters each stage trains (embedding and head counted where they run)."""
+  counts = []
+  attn_size = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(params['attention']))
+  mlp_size = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(params['mlp']))
+  embed = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params['embed']))
+  head = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params['head']))
+  for units in partition.stage_units():
+    total = 0
+    for u in units:
+      if u == 0:
+        total += embed
+      elif u == 2 * partition.num_layers + 1:
+        total += head
+      else:
+        total += attn_size if (u - 1) % 2 == 0 else mlp_size
+    counts.append(total)
+  return counts
+

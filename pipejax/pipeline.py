@@ -1,0 +1,341 @@
+"""One SPMD pipeline executor: ``shard_map`` over the mesh ``('data', 'stage')``.
+
+The executor runs any valid :class:`pipejax.schedule.Schedule` over a
+:class:`pipejax.partition.Partition` of a :class:`models.LayeredModel`:
+
+* every device is one stage of one replica; it loops over the schedule's ticks
+  (``lax.scan``) and at each tick does what its cell says:
+  - ``FWD m``: run the stage on micro-batch m's input (the embedding's input
+    on stage 0, the received activation elsewhere) and send the output on;
+  - ``BWD m``: recompute the stage with ``jax.vjp`` from the stashed input,
+    apply the received cotangent, accumulate parameter gradients and send the
+    input cotangent back. The last stage skips its FWD work and fuses it into
+    BWD (loss, then backward), so a pipeline of length 1 costs what plain
+    data parallelism costs;
+  - ``IDLE``: nothing (a bubble);
+* two ``ppermute``\\ s per tick move activations forward and cotangents back;
+  arrivals land in the buffer slots chosen by :func:`pipejax.schedule.buffer_plan`;
+* at the end gradients are averaged over ``'data'`` (and summed over
+  ``'stage'`` for the replicated embedding and head, which only their own
+  stage touches).
+
+Padded block slots are skipped with ``lax.cond`` (inside ``shard_map``, so
+only the taken branch runs) and receive exactly zero gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.layered import LayeredModel, unit_rng
+from pipejax import schedule as schedule_lib
+from pipejax.partition import Partition
+
+Params = Any
+Batch = Mapping[str, jax.Array]
+DATA, STAGE = 'data', 'stage'
+
+
+class PlanError(ValueError):
+  """A pipeline plan that cannot run on the given devices or batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything that determines one compiled pipeline step.
+
+  Attributes:
+    partition: the stages and what each runs (its length is K).
+    replicas: R, pipeline replicas (the mesh is ``(R, K)``).
+    micro_batches: M, micro-batches per replica per step.
+    schedule: name of the training schedule (``'gpipe'`` or ``'1f1b'``).
+  """
+  partition: Partition
+  replicas: int
+  micro_batches: int
+  schedule: str = '1f1b'
+
+  @property
+  def pipeline_length(self) -> int:
+    return self.partition.pipeline_length
+
+  @property
+  def num_devices(self) -> int:
+    return self.replicas * self.pipeline_length
+
+  def describe(self) -> str:
+    return (f'K={self.pipeline_length} R={self.replicas} M={self.micro_batches} '
+            f'{self.schedule} stages={list(self.partition.stage_sizes)} '
+            f'frozen={self.partition.num_frozen_layers}')
+
+
+def make_mesh(pipeline_length: int, devices=None) -> Mesh:
+  """The ``('data', 'stage')`` mesh of shape (N / K, K) over ``devices``.
+
+  Consecutive devices form one pipeline, so with several processes the stage
+  axis stays inside a host and the data axis spans hosts.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  if pipeline_length < 1 or n % pipeline_length:
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    raise PlanError(f'pipeline length {pipeline_length} does not divide the {n} devices; '
+                    f'use one of {divisors}')
+  grid = np.array(devices, dtype=object).reshape(n // pipeline_length, pipeline_length)
+  return Mesh(grid, (DATA, STAGE))
+
+
+def check_batch(batch_size: int, plan: Plan) -> None:
+  """Raises :class:`PlanError` unless R·M divides ``batch_size``."""
+  per = plan.replicas * plan.micro_batches
+  if batch_size % per:
+    raise PlanError(f'batch size {batch_size} is not divisible by replicas x micro-batches '
+                    f'= {plan.replicas} x {plan.micro_batches} = {per}; use a multiple of {per}')
+
+
+def stage_param_specs(stage_params: Params) -> Params:
+  """PartitionSpecs of the stage layout: stacks over ``'stage'``, rest replicated."""
+  return {k: jax.tree.map(lambda _: P(STAGE) if k in ('attention', 'mlp') else P(), v)
+          for k, v in stage_params.items()}
+
+
+def stage_param_shardings(stage_params: Params, mesh: Mesh) -> Params:
+  """NamedShardings of the stage layout on ``mesh``."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), stage_param_specs(stage_params),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches are split over ``'data'`` and replicated over ``'stage'``."""
+  return NamedSharding(mesh, P(DATA))
+
+
+def _zeros_like_metrics(model: LayeredModel, params: Params, hidden, batch) -> dict:
+  shapes = jax.eval_shape(lambda: model.loss_fn(params, hidden, batch, None, False)[1])
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, train: bool,
+                fill: float, trace_counter: list | None):
+  """The per-device program: run ``sched`` for one (replica, stage)."""
+  partition = plan.partition
+  num_stages = plan.pipeline_length
+  num_micro = plan.micro_batches
+  tables = partition.tables
+  buffers = schedule_lib.buffer_plan(sched)
+  head_unit = 2 * partition.num_layers + 1
+  training = not sched.forward_only
+
+  def body(stage_params, batch, rng):
+    if trace_counter is not None:
+      trace_counter.append(plan)
+    stage = lax.axis_index(STAGE)
+    replica = lax.axis_index(DATA)
+    is_first, is_last = stage == 0, stage == num_stages - 1
+    local = {k: jax.tree.map(lambda x: x[0], v) for k, v in stage_params.items()
+             if k in ('attention', 'mlp')}
+    shared = {k: v for k, v in stage_params.items() if k not in ('attention', 'mlp')}
+    params = {**shared, **local}
+    micro = jax.tree.map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), dict(batch))
+    slot_layer = jnp.asarray(tables.layer)[stage]
+    slot_attn = jnp.asarray(tables.has_attention)[stage]
+    slot_mlp = jnp.asarray(tables.has_mlp)[stage]
+
+    def stage_fn(p, x, m):
+      """Stage forward on micro-batch m: ``x [mb, seq, d] -> (out, (loss, metrics))``."""
+      mb = jax.tree.map(lambda a: a[m], micro)
+      key = None if rng is None else jax.random.fold_in(rng, replica * num_micro + m)
+      if partition.has_embed:
+        h = lax.cond(is_first, lambda: model.embed_fn(p['embed'], mb, unit_rng(key, 0), train),
+                     lambda: x)
+      else:
+        h = jnp.where(is_first, mb['hidden'].astype(x.dtype), x)
+
+      def block(h, xs):
+        attn_p, mlp_p, layer, has_a, has_m = xs
+        h = lax.cond(has_a, lambda h: model.attention_fn(
+            attn_p, h, mb, unit_rng(key, 1 + 2 * layer), train), lambda h: h, h)
+        h = lax.cond(has_m, lambda h: model.mlp_fn(
+            mlp_p, h, mb, unit_rng(key, 2 + 2 * layer), train), lambda h: h, h)
+        return h, None
+
+      h, _ = lax.scan(block, h, (p['attention'], p['mlp'], slot_layer, slot_attn, slot_mlp))
+      zeros = (jnp.zeros((), jnp.float32), _zeros_like_metrics(model, p['head'], h, mb))
+      loss_and_metrics = lax.cond(
+          is_last, lambda: model.loss_fn(p['head'], h, mb, unit_rng(key, head_unit), train),
+          lambda: zeros)
+      return h, loss_and_metrics
+
+    hidden_shape = jax.eval_shape(
+        lambda: model.embed_fn(shared['embed'], jax.tree.map(lambda a: a[0], micro), None, False)
+    ) if partition.has_embed else jax.ShapeDtypeStruct(micro['hidden'].shape[1:],
+                                                       micro['hidden'].dtype)
+    act_zero = jnp.zeros(hidden_shape.shape, hidden_shape.dtype)
+    act_fill = jnp.full(hidden_shape.shape, fill, hidden_shape.dtype)
+    metric_zero = jax.eval_shape(lambda: stage_fn(params, act_zero, 0)[1])
+    metric_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_zero)
+    grads0 = jax.tree.map(jnp.zeros_like, params) if training else None
+    buf0 = jnp.full((buffers.num_slots,) + hidden_shape.shape, fill, hidden_shape.dtype)
+    ops = jnp.asarray(sched.ops, jnp.int32)
+    mbs = jnp.asarray(np.maximum(sched.micro_batch, 0), jnp.int32)
+    slots = jnp.asarray(buffers.slot)
+    recv_act = jnp.asarray(buffers.recv_activation_slot)
+    recv_cot = jnp.asarray(buffers.recv_cotangent_slot)
+    inv_m = 1.0 / num_micro
+
+    def stage_input(act_buf, slot):
+      # Stage 0 reads the batch, never its (unwritten) activation buffer.
+      return jnp.where(is_first, act_zero, act_buf[slot])
+
+    def tick(carry, t):
+      act_buf, cot_buf, grads, loss_sum, metric_sum = carry
+      op, m, slot = ops[t, stage], mbs[t, stage], slots[t, stage]
+
+      def idle():
+        return act_fill, act_fill, grads, loss_sum, metric_sum
+
+      def forward():
+        def run():
+          out, (loss, metrics) = stage_fn(params, stage_input(act_buf, slot), m)
+          if training:  # loss is taken in BWD, where the last stage fuses FWD.
+            return out, act_fill, grads, loss_sum, metric_sum
+          return (out, act_fill, grads, loss_sum + loss,
+                  jax.tree.map(jnp.add, metric_sum, metrics))
+        if not training:
+          return run()
+        return lax.cond(is_last, idle, run)
+
+      def backward():
+        x = stage_input(act_buf, slot)
+        cot_out = jnp.where(is_last, act_zero, cot_buf[slot])
+        (_, (loss, metrics)), vjp = jax.vjp(lambda p, x: stage_fn(p, x, m), params, x)
+        cot_loss = jnp.where(is_last, inv_m, 0.0).astype(jnp.float32)
+        g_params, g_x = vjp((cot_out, (cot_loss, jax.tree.map(jnp.zeros_like, metrics))))
+        return (act_fill, g_x, jax.tree.map(jnp.add, grads, g_params), loss_sum + loss,
+                jax.tree.map(jnp.add, metric_sum, metrics))
+
+      branches = [idle, forward, backward] if training else [idle, forward, idle]
+      send_act, send_cot, grads, loss_sum, metric_sum = lax.switch(op, branches)
+      if num_stages > 1:
+        arrived = lax.ppermute(send_act, STAGE, [(i, i + 1) for i in range(num_stages - 1)])
+        act_buf = _store(act_buf, arrived, recv_act[t, stage])
+        if training:
+          arrived = lax.ppermute(send_cot, STAGE, [(i + 1, i) for i in range(num_stages - 1)])
+          cot_buf = _store(cot_buf, arrived, recv_cot[t, stage])
+      return (act_buf, cot_buf, grads, loss_sum, metric_sum), None
+
+    carry = (buf0, buf0 if training else buf0[:0], grads0, jnp.zeros((), jnp.float32),
+             metric_zero[1])
+    (_, _, grads, loss_sum, metric_sum), _ = lax.scan(tick, carry, jnp.arange(sched.num_ticks))
+    loss = lax.pmean(lax.psum(loss_sum, STAGE), DATA) * inv_m
+    metrics = lax.psum(lax.psum(metric_sum, STAGE), DATA)
+    if not training:
+      return loss, metrics
+    local_grads = {k: jax.tree.map(lambda g: lax.pmean(g, DATA)[None], v)
+                   for k, v in grads.items() if k in ('attention', 'mlp')}
+    shared_grads = {k: jax.tree.map(lambda g: lax.pmean(lax.psum(g, STAGE), DATA), v)
+                    for k, v in grads.items() if k not in ('attention', 'mlp')}
+    return loss, metrics, {**shared_grads, **local_grads}
+
+  return body
+
+
+def _store(buf: jax.Array, value: jax.Array, slot: jax.Array) -> jax.Array:
+  """``buf[slot] = value`` when ``slot >= 0``; otherwise ``buf`` unchanged."""
+  index = jnp.maximum(slot, 0)
+  keep = lax.dynamic_index_in_dim(buf, index, 0, keepdims=False)
+  return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, keep), index, 0)
+
+
+class _CheckedStep:
+  """A compiled step that checks its batch before running it."""
+
+  def __init__(self, jitted, plan: Plan, needed_keys: tuple[str, ...]):
+    self.jitted, self.plan, self.needed_keys = jitted, plan, needed_keys
+
+  def __call__(self, stage_params, batch, rng):
+    missing = [k for k in self.needed_keys if k not in batch]
+    if missing:
+      raise PlanError(f'batch lacks {missing}; it has {sorted(batch)}')
+    sizes = {k: int(np.shape(v)[0]) for k, v in batch.items()}
+    if len(set(sizes.values())) != 1:
+      raise PlanError(f'batch arrays disagree on the batch size: {sizes}')
+    check_batch(next(iter(sizes.values())), self.plan)
+    return self.jitted(stage_params, dict(batch), rng)
+
+
+class Pipeline:
+  """Compiled pipeline steps for one model, cached per plan.
+
+  ``Pipeline(model).grad_fn(plan, stage_params)`` returns a jitted
+  ``(stage_params, batch, rng) -> (loss, metrics, grads)``; the same plan
+  always returns the same compiled function, so a plan is traced and compiled
+  once (``trace_count`` counts traces, for tests and logs).
+  """
+
+  def __init__(self, model: LayeredModel, *, devices=None, fill: float = 0.0):
+    """Args:
+      model: the layered model.
+      devices: devices to build meshes over (default: all).
+      fill: value of unwritten buffers and of what a bubble sends. 0 is the
+        safe default; tests poison with NaN to prove nothing leaks.
+    """
+    self.model = model
+    self.devices = list(jax.devices() if devices is None else devices)
+    self.fill = fill
+    self._steps: dict[tuple, Any] = {}
+    self.traces: list[Plan] = []
+
+  @property
+  def trace_count(self) -> int:
+    return len(self.traces)
+
+  def mesh(self, plan: Plan) -> Mesh:
+    if plan.num_devices != len(self.devices):
+      raise PlanError(f'plan needs R x K = {plan.replicas} x {plan.pipeline_length} = '
+                      f'{plan.num_devices} devices but {len(self.devices)} are in use')
+    return make_mesh(plan.pipeline_length, self.devices)
+
+  def _build(self, plan: Plan, stage_params: Params, train: bool, forward: bool):
+    key = (plan, train, forward, jax.tree.structure(stage_params))
+    if key in self._steps:
+      return self._steps[key]
+    if plan.partition.num_layers != self.model.num_layers:
+      raise PlanError(f'partition is for {plan.partition.num_layers} layers but the model has '
+                      f'{self.model.num_layers}')
+    make = schedule_lib.forward_only if forward else functools.partial(
+        schedule_lib.make, plan.schedule)
+    sched = make(plan.pipeline_length, plan.micro_batches)
+    schedule_lib.validate(sched)
+    mesh = self.mesh(plan)
+    specs = stage_param_specs(stage_params)
+    body = _stage_body(self.model, plan, sched, train, self.fill, self.traces)
+    out_specs = (P(), P()) if forward else (P(), P(), specs)
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA), P()),
+                           out_specs=out_specs, check_vma=False)
+    model = self.model
+    inputs = model.input_keys if plan.partition.has_embed else ('hidden',) + model.block_keys
+    step = _CheckedStep(jax.jit(mapped), plan, inputs + model.label_keys)
+    self._steps[key] = step
+    return step
+
+  def grad_fn(self, plan: Plan, stage_params: Params, *, train: bool = True):
+    """The compiled ``(stage_params, batch, rng) -> (loss, metrics, grads)``.
+
+    ``loss`` is the mean loss over the global batch, ``metrics`` the summed
+    metrics, ``grads`` has the layout and sharding of ``stage_params``.
+    ``train=False`` disables dropout. ``rng`` is a PRNG key (ignored without
+    dropout).
+    """
+    return self._build(plan, stage_params, train, forward=False)
+
+  def eval_fn(self, plan: Plan, stage_params: Params):
+    """The compiled forward-only ``(stage_params, batch, rng) -> (loss, metrics)``."""
+    return self._build(plan, stage_params, False, forward=True)

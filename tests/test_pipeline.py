@@ -1,0 +1,213 @@
+"""The SPMD pipeline equals a plain sequential model, for every (K, R)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipejax import partition as part
+from pipejax import pipeline
+from tests import fixtures
+
+NAN = float('nan')
+
+# (model, K, schedule, stage sizes or None for even). Tiny models have L=4
+# blocks = 10 units (L=3: 8 units, so K=8 can be even).
+CASES = [
+    ('vit', 1, 'gpipe', None),
+    ('vit', 2, '1f1b', None),
+    ('vit', 4, 'gpipe', (2, 2, 2, 2)),
+    ('vit', 8, '1f1b', (1,) * 8),
+    ('vit', 2, 'gpipe', (1, 9)),
+    ('vit', 4, '1f1b', (4, 1, 3, 2)),
+    ('vit', 8, 'gpipe', (2, 1, 1, 1, 2, 1, 1, 1)),
+    ('vit', 1, '1f1b', None),
+    ('bert-classification', 1, '1f1b', None),
+    ('bert-classification', 2, 'gpipe', (5, 5)),
+    ('bert-classification', 4, '1f1b', (3, 2, 2, 3)),
+    ('bert-classification', 8, 'gpipe', (1,) * 8),
+    ('bert-question_answering', 4, 'gpipe', (1, 2, 4, 3)),
+    ('bert-question_answering', 8, '1f1b', (2, 1, 1, 1, 1, 2, 1, 1)),
+]
+
+
+def _layers(sizes):
+  return (sum(sizes) - 1) // 2 if sizes else 4  # active units = 2L+2, or 2(L-F)+1
+
+
+def _case(kind, k, sizes, frozen=0):
+  num_layers = _layers(sizes) + frozen
+  created = fixtures.tiny(kind, num_layers=num_layers)
+  partition = (part.Partition(num_layers, frozen, sizes) if sizes else
+               part.even(num_layers, k, frozen))
+  return created, partition
+
+
+def _max_err(a, b):
+  return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)))
+
+
+@pytest.mark.parametrize('kind,k,schedule,sizes', CASES)
+def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
+  created, partition = _case(kind, k, sizes)
+  model, params = created.model, created.params
+  replicas, micro = 8 // k, 2
+  batch = fixtures.batch(kind, model, replicas * micro * 2, seed=k)
+  # Bubbles send NaN and unwritten buffers hold NaN: nothing may leak.
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  plan = pipeline.Plan(partition, replicas, micro, schedule)
+  stage_params = part.to_stage_params(params, partition)
+  loss, metrics, grads = pipe.grad_fn(plan, stage_params, train=False)(
+      stage_params, batch, jax.random.PRNGKey(0))
+  (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
+      lambda p: model.loss(p, batch), has_aux=True)(params)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert float(metrics['count']) == len(batch['labels' if 'labels' in batch else
+                                              'start_positions'])
+  assert float(metrics['correct']) == float(ref_metrics['correct'])
+  got = part.from_stage_params(grads, partition, params)
+  assert _max_err(got, ref_grads) <= 1e-5
+  # Grads come back in the layout and sharding of the parameters.
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(stage_params)):
+    assert g.shape == p.shape
+  assert grads['attention'][next(iter(grads['attention']))]  # non-empty tree
+  assert pipe.trace_count == 1
+
+
+def test_padded_slots_are_skipped_and_get_exactly_zero_grad():
+  kind, sizes = 'vit', (1, 4, 1, 4)  # slots: stage 1 holds 3 block halves-pairs, stage 2 one
+  created, partition = _case(kind, 4, sizes)
+  model, params = created.model, created.params
+  stage_params = part.to_stage_params(params, partition)
+  t = partition.tables
+  unused_a = ~t.has_attention
+  unused_m = ~t.has_mlp
+  assert unused_a.any() and unused_m.any()
+
+  def poison(stack, unused):
+    mask = unused.reshape(unused.shape + (1,) * (stack.ndim - 2))
+    return jnp.where(mask, jnp.nan, stack)
+
+  poisoned = dict(stage_params,
+                  attention=jax.tree.map(lambda x: poison(x, unused_a), stage_params['attention']),
+                  mlp=jax.tree.map(lambda x: poison(x, unused_m), stage_params['mlp']))
+  batch = fixtures.batch(kind, model, 8, seed=3)
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  plan = pipeline.Plan(partition, 2, 2, '1f1b')
+  loss, _, grads = pipe.grad_fn(plan, poisoned, train=False)(poisoned, batch,
+                                                               jax.random.PRNGKey(0))
+  ref_loss = model.loss(params, batch)[0]
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  for stack, unused in ((grads['attention'], unused_a), (grads['mlp'], unused_m)):
+    for g in jax.tree.leaves(stack):
+      g = np.asarray(g)
+      assert np.all(g[unused] == 0.0)  # exactly zero, and not NaN
+      assert np.all(np.isfinite(g))
+
+
+def test_frozen_prefix_input_equals_sequential_on_active_layers():
+  """With F frozen blocks the pipeline starts from the prefix's hidden states."""
+  kind, frozen = 'bert-classification', 1
+  created, partition = _case(kind, 4, (2, 2, 1, 2), frozen=frozen)
+  model, params = created.model, created.params
+  batch = fixtures.batch(kind, model, 8, seed=5)
+  hidden = model.hidden_states(params, batch, upto_layer=frozen)
+
+  def active_loss(p):
+    h = hidden
+    for unit in range(2 * frozen + 1, 2 * model.num_layers + 1):
+      h = model.sublayer(p, unit, h, batch)
+    return model.loss_fn(p['head'], h, batch, None, False)[0]
+
+  ref_loss, ref_grads = jax.value_and_grad(active_loss)(params)
+  stage_params = part.to_stage_params(params, partition)
+  assert 'embed' not in stage_params
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  plan = pipeline.Plan(partition, 2, 2, 'gpipe')
+  feed = {'hidden': np.asarray(hidden), 'attention_mask': batch['attention_mask'],
+          'labels': batch['labels']}
+  loss, _, grads = pipe.grad_fn(plan, stage_params, train=False)(stage_params, feed,
+                                                                   jax.random.PRNGKey(0))
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  got = part.from_stage_params(grads, partition, params)
+  for key in ('attention', 'mlp'):
+    err = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a[frozen:] - b[frozen:]))),
+                       got[key], ref_grads[key])
+    assert max(jax.tree.leaves(err)) <= 1e-5
+  assert _max_err(got['head'], ref_grads['head']) <= 1e-5
+
+
+def test_same_plan_compiles_once_and_new_plan_compiles_again():
+  created, partition = _case('vit', 2, None)
+  model, params = created.model, created.params
+  pipe = pipeline.Pipeline(model)
+  stage_params = part.to_stage_params(params, partition)
+  plan = pipeline.Plan(partition, 4, 2, '1f1b')
+  batch = fixtures.batch('vit', model, 16)
+  rng = jax.random.PRNGKey(0)
+  for seed in range(3):
+    step = pipe.grad_fn(pipeline.Plan(partition, 4, 2, '1f1b'), stage_params)
+    step(stage_params, fixtures.batch('vit', model, 16, seed=seed), rng)
+  assert pipe.trace_count == 1
+  assert step.jitted._cache_size() == 1
+  pipe.grad_fn(pipeline.Plan(partition, 4, 4, '1f1b'), stage_params)(stage_params, batch, rng)
+  assert pipe.trace_count == 2
+  assert pipe.grad_fn(plan, stage_params) is step
+
+
+def test_eval_forward_only_matches_sequential():
+  created, partition = _case('vit', 4, (3, 2, 2, 3))
+  model, params = created.model, created.params
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  stage_params = part.to_stage_params(params, partition)
+  batch = fixtures.batch('vit', model, 16, seed=9)
+  loss, metrics = pipe.eval_fn(pipeline.Plan(partition, 2, 4), stage_params)(
+      stage_params, batch, jax.random.PRNGKey(0))
+  ref_loss, ref_metrics = model.loss(params, batch)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert float(metrics['correct']) == float(ref_metrics['correct'])
+
+
+def test_dropout_is_reproducible_between_forward_and_recompute():
+  """With dropout, FWD and the BWD recompute must draw the same masks: the
+  pipeline's gradient equals autodiff of the same per-micro-batch masks."""
+  created = fixtures.tiny('vit', num_layers=4, dropout=0.3)
+  model, params = created.model, created.params
+  partition = part.even(4, 2)
+  pipe = pipeline.Pipeline(model)
+  stage_params = part.to_stage_params(params, partition)
+  batch = fixtures.batch('vit', model, 8, seed=1)
+  rng = jax.random.PRNGKey(42)
+  plan = pipeline.Plan(partition, 4, 1, '1f1b')
+  loss, _, grads = pipe.grad_fn(plan, stage_params, train=True)(stage_params, batch, rng)
+
+  def ref(p):  # replica r holds batch rows [2r, 2r+2) and micro-batch key fold_in(rng, r)
+    losses = [model.loss(p, jax.tree.map(lambda a: a[2 * r:2 * r + 2], batch),
+                         rng=jax.random.fold_in(rng, r), train=True)[0] for r in range(4)]
+    return sum(losses) / 4
+
+  ref_loss, ref_grads = jax.value_and_grad(ref)(params)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert _max_err(part.from_stage_params(grads, partition, params), ref_grads) <= 1e-5
+  no_dropout = model.loss(params, batch)[0]
+  assert abs(float(loss) - float(no_dropout)) > 1e-4  # dropout really was on
+
+
+def test_bad_inputs_name_the_value():
+  created, partition = _case('vit', 2, None)
+  model, params = created.model, created.params
+  with pytest.raises(pipeline.PlanError, match='pipeline length 3 does not divide the 8'):
+    pipeline.make_mesh(3)
+  pipe = pipeline.Pipeline(model)
+  stage_params = part.to_stage_params(params, partition)
+  step = pipe.grad_fn(pipeline.Plan(partition, 4, 2), stage_params)
+  with pytest.raises(pipeline.PlanError, match='batch size 12 is not divisible by .* = 8'):
+    step(stage_params, fixtures.batch('vit', model, 12), jax.random.PRNGKey(0))
+  with pytest.raises(pipeline.PlanError, match=r"batch lacks \['labels'\]"):
+    step(stage_params, {'pixel_values': np.zeros((8, 8, 8, 3), np.float32)},
+         jax.random.PRNGKey(0))
+  with pytest.raises(pipeline.PlanError, match='needs R x K = 2 x 2 = 4 devices'):
+    pipe.grad_fn(pipeline.Plan(partition, 2, 2), stage_params)
+  with pytest.raises(part.PartitionError, match=r'covers 9 units but the model has 10'):
+    part.Partition(4, 0, (4, 5))
+  with pytest.raises(part.PartitionError, match='at least one unit'):
+    part.Partition(4, 0, (10, 0))

@@ -1,0 +1,108 @@
+"""Schedules as data: generators, validator, simulator, buffer plan."""
+import numpy as np
+import pytest
+
+from pipejax import schedule as S
+
+SIZES = [(1, 1), (1, 4), (2, 2), (2, 5), (4, 4), (4, 8), (8, 8), (8, 3), (3, 7)]
+
+
+@pytest.mark.parametrize('k,m', SIZES)
+def test_gpipe_bubble_fraction_matches_formula(k, m):
+  sim = S.simulate(S.gpipe(k, m))
+  assert sim.ticks == 2 * (m + k - 1)
+  assert sim.bubble_fraction == pytest.approx((k - 1) / (m + k - 1))
+
+
+@pytest.mark.parametrize('k,m', SIZES)
+def test_stash_gpipe_m_versus_1f1b_at_most_k(k, m):
+  assert S.simulate(S.gpipe(k, m)).peak_stash == (m,) * k
+  peaks = S.simulate(S.one_f_one_b(k, m)).peak_stash
+  assert max(peaks) <= k
+  # PipeDream-Flush: stage s keeps min(K - s, M) inputs.
+  assert peaks == tuple(min(k - s, m) for s in range(k))
+  # Same length as GPipe: 1F1B saves memory, not time.
+  assert S.simulate(S.one_f_one_b(k, m)).ticks == 2 * (m + k - 1)
+
+
+def _by_hand_1f1b_k2_m3():
+  # stage 0: F0 F1 .  B0 F2 B1 .  B2
+  # stage 1: .  F0 B0 F1 B1 F2 B2 .
+  ops = [[1, 0], [1, 1], [0, 2], [2, 1], [1, 2], [2, 1], [0, 2], [2, 0]]
+  mb = [[0, -1], [1, 0], [-1, 0], [0, 1], [2, 1], [1, 2], [-1, 2], [2, -1]]
+  return np.array(ops, np.int8), np.array(mb, np.int32)
+
+
+def test_1f1b_equals_hand_written_table():
+  ops, mb = _by_hand_1f1b_k2_m3()
+  sched = S.one_f_one_b(2, 3)
+  np.testing.assert_array_equal(sched.ops, ops)
+  np.testing.assert_array_equal(np.where(sched.ops > 0, sched.micro_batch, -1), mb)
+
+
+def test_validator_rejects_violated_dependencies():
+  ops, mb = _by_hand_1f1b_k2_m3()
+  S.validate(S.Schedule('hand', ops, mb))
+  # Stage 1 forwards micro-batch 0 in the same tick as stage 0.
+  bad_ops, bad_mb = ops.copy(), mb.copy()
+  bad_ops[0, 1], bad_mb[0, 1] = 1, 0
+  bad_ops[1, 1], bad_mb[1, 1] = 0, -1
+  with pytest.raises(S.ScheduleError, match='FWD of micro-batch 0 on stage 1 at tick 0 needs FWD'):
+    S.validate(S.Schedule('bad', bad_ops, bad_mb))
+  # Stage 0 backwards micro-batch 0 before stage 1 did.
+  bad_ops, bad_mb = ops.copy(), mb.copy()
+  bad_ops[2, 0], bad_mb[2, 0] = 2, 0
+  bad_ops[3, 0], bad_mb[3, 0] = 0, -1
+  with pytest.raises(S.ScheduleError, match='BWD of micro-batch 0 on stage 0 at tick 2 needs BWD'):
+    S.validate(S.Schedule('bad', bad_ops, bad_mb))
+  # A micro-batch forwarded twice, another never.
+  bad_ops, bad_mb = ops.copy(), mb.copy()
+  bad_mb[1, 0] = 0
+  with pytest.raises(S.ScheduleError, match='runs twice'):
+    S.validate(S.Schedule('bad', bad_ops, bad_mb))
+  # BWD before FWD on the same stage.
+  with pytest.raises(S.ScheduleError, match='precedes its FWD'):
+    S.validate(S.Schedule('bad', ops[::-1].copy(), mb[::-1].copy()))
+  with pytest.raises(S.ScheduleError, match='unknown op 7'):
+    S.validate(S.Schedule('bad', np.where(ops == 2, 7, ops).astype(np.int8), mb))
+
+
+def test_deadlocking_orders_are_rejected():
+  with pytest.raises(S.ScheduleError, match='deadlocks'):
+    S.from_orders('x', [[(S.BWD, 0), (S.FWD, 0)], [(S.FWD, 0), (S.BWD, 0)]])
+
+
+def test_unknown_schedule_and_bad_sizes():
+  with pytest.raises(S.ScheduleError, match="unknown schedule 'zb'"):
+    S.make('zb', 2, 2)
+  with pytest.raises(S.ScheduleError, match='micro-batch count must be >= 1'):
+    S.gpipe(2, 0)
+
+
+@pytest.mark.parametrize('name', ['gpipe', '1f1b'])
+@pytest.mark.parametrize('k,m', SIZES)
+def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
+  """Replays the table: a slot is never written while its micro-batch is live."""
+  sched = S.make(name, k, m)
+  plan = S.buffer_plan(sched)
+  owner = [[None] * plan.num_slots for _ in range(k)]
+  for t in range(sched.num_ticks):
+    for s in range(k):  # reads happen before the tick's arrivals are stored
+      op, mb = sched.ops[t, s], sched.micro_batch[t, s]
+      if op != S.IDLE and (s > 0 or op == S.BWD):
+        assert owner[s][plan.slot[t, s]] == mb, (t, s)
+      if op == S.BWD:
+        owner[s][plan.slot[t, s]] = None
+    for s in range(k):
+      for table, src, want in ((plan.recv_activation_slot, s - 1, S.FWD),
+                               (plan.recv_cotangent_slot, s + 1, S.BWD)):
+        slot = table[t, s]
+        if slot >= 0:
+          assert sched.ops[t, src] == want
+          mb = sched.micro_batch[t, src]
+          assert owner[s][slot] in (None, mb), (t, s, slot)
+          owner[s][slot] = mb
+      if s == 0 and sched.ops[t, 0] == S.FWD:
+        assert owner[0][plan.slot[t, 0]] is None
+        owner[0][plan.slot[t, 0]] = sched.micro_batch[t, 0]
+  assert plan.num_slots <= (m if name == 'gpipe' else min(m, k) + 1)
