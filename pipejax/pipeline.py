@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel, unit_rng
 from pipejax import schedule as schedule_lib
-from pipejax.partition import Partition
+from pipejax.partition import Partition, to_stage_params
 
 Params = Any
 Batch = Mapping[str, jax.Array]
@@ -132,6 +132,9 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
   buffers = schedule_lib.buffer_plan(sched)
   head_unit = 2 * partition.num_layers + 1
   training = not sched.forward_only
+  all_attn, all_mlp = bool(tables.has_attention.all()), bool(tables.has_mlp.all())
+  # One stage is first and last at once: its branches are known statically.
+  single = num_stages == 1
 
   def body(stage_params, batch, rng):
     if trace_counter is not None:
@@ -153,24 +156,27 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
       mb = jax.tree.map(lambda a: a[m], micro)
       key = None if rng is None else jax.random.fold_in(rng, replica * num_micro + m)
       if partition.has_embed:
-        h = lax.cond(is_first, lambda: model.embed_fn(p['embed'], mb, unit_rng(key, 0), train),
-                     lambda: x)
+        embed = lambda: model.embed_fn(p['embed'], mb, unit_rng(key, 0), train)
+        h = embed() if single else lax.cond(is_first, embed, lambda: x)
       else:
         h = jnp.where(is_first, mb['hidden'].astype(x.dtype), x)
 
       def block(h, xs):
         attn_p, mlp_p, layer, has_a, has_m = xs
-        h = lax.cond(has_a, lambda h: model.attention_fn(
-            attn_p, h, mb, unit_rng(key, 1 + 2 * layer), train), lambda h: h, h)
-        h = lax.cond(has_m, lambda h: model.mlp_fn(
-            mlp_p, h, mb, unit_rng(key, 2 + 2 * layer), train), lambda h: h, h)
+        attn = lambda h: model.attention_fn(attn_p, h, mb, unit_rng(key, 1 + 2 * layer), train)
+        mlp = lambda h: model.mlp_fn(mlp_p, h, mb, unit_rng(key, 2 + 2 * layer), train)
+        # A half that every stage owns in this slot needs no branch.
+        h = attn(h) if all_attn else lax.cond(has_a, attn, lambda h: h, h)
+        h = mlp(h) if all_mlp else lax.cond(has_m, mlp, lambda h: h, h)
         return h, None
 
-      h, _ = lax.scan(block, h, (p['attention'], p['mlp'], slot_layer, slot_attn, slot_mlp))
+      # Unrolled: XLA then fuses across blocks and saves the loop's
+      # per-iteration slicing (measured 1.29x -> 1.10x of plain DP at K=1).
+      h, _ = lax.scan(block, h, (p['attention'], p['mlp'], slot_layer, slot_attn, slot_mlp),
+                      unroll=True)
       zeros = (jnp.zeros((), jnp.float32), _zeros_like_metrics(model, p['head'], h, mb))
-      loss_and_metrics = lax.cond(
-          is_last, lambda: model.loss_fn(p['head'], h, mb, unit_rng(key, head_unit), train),
-          lambda: zeros)
+      head = lambda: model.loss_fn(p['head'], h, mb, unit_rng(key, head_unit), train)
+      loss_and_metrics = head() if single else lax.cond(is_last, head, lambda: zeros)
       return h, loss_and_metrics
 
     hidden_shape = jax.eval_shape(
@@ -196,7 +202,9 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
 
     def tick(carry, t):
       act_buf, cot_buf, grads, loss_sum, metric_sum = carry
-      op, m, slot = ops[t, stage], mbs[t, stage], slots[t, stage]
+      # With one stage the table is known per tick: no switch needed.
+      op = int(sched.ops[t, 0]) if single else ops[t, stage]
+      m, slot = mbs[t, stage], slots[t, stage]
 
       def idle():
         return act_fill, act_fill, grads, loss_sum, metric_sum
@@ -210,6 +218,8 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                   jax.tree.map(jnp.add, metric_sum, metrics))
         if not training:
           return run()
+        if single:
+          return idle()
         return lax.cond(is_last, idle, run)
 
       def backward():
@@ -222,7 +232,8 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                 jax.tree.map(jnp.add, metric_sum, metrics))
 
       branches = [idle, forward, backward] if training else [idle, forward, idle]
-      send_act, send_cot, grads, loss_sum, metric_sum = lax.switch(op, branches)
+      send_act, send_cot, grads, loss_sum, metric_sum = (
+          branches[op]() if single else lax.switch(op, branches))
       if num_stages > 1:
         arrived = lax.ppermute(send_act, STAGE, [(i, i + 1) for i in range(num_stages - 1)])
         act_buf = _store(act_buf, arrived, recv_act[t, stage])
@@ -233,7 +244,13 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
 
     carry = (buf0, buf0 if training else buf0[:0], grads0, jnp.zeros((), jnp.float32),
              metric_zero[1])
-    (_, _, grads, loss_sum, metric_sum), _ = lax.scan(tick, carry, jnp.arange(sched.num_ticks))
+    if single:
+      for t in range(sched.num_ticks):
+        carry, _ = tick(carry, t)
+      _, _, grads, loss_sum, metric_sum = carry
+    else:
+      (_, _, grads, loss_sum, metric_sum), _ = lax.scan(tick, carry,
+                                                        jnp.arange(sched.num_ticks))
     loss = lax.pmean(lax.psum(loss_sum, STAGE), DATA) * inv_m
     metrics = lax.psum(lax.psum(metric_sum, STAGE), DATA)
     if not training:
@@ -339,3 +356,15 @@ class Pipeline:
   def eval_fn(self, plan: Plan, stage_params: Params):
     """The compiled forward-only ``(stage_params, batch, rng) -> (loss, metrics)``."""
     return self._build(plan, stage_params, False, forward=True)
+
+
+def shard_stage_params(params: Params, partition: Partition, mesh: Mesh) -> Params:
+  """Lays canonical ``params`` out for ``partition`` directly on ``mesh``.
+
+  Runs :func:`pipejax.partition.to_stage_params` under ``jax.jit`` with the
+  stage layout's shardings as ``out_shardings``, so each device only receives
+  its own stage's slots.
+  """
+  layout = functools.partial(to_stage_params, partition=partition)
+  shardings = stage_param_shardings(jax.eval_shape(layout, params), mesh)
+  return jax.jit(layout, out_shardings=shardings)(params)

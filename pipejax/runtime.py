@@ -1,0 +1,29 @@
+"""Process set-up shared by the entry points: fake CPU devices, compilation
+cache, quiet third-party warnings. Call :func:`setup` before importing JAX."""
+from __future__ import annotations
+
+import os
+import warnings
+
+
+def setup(cpu_devices: int = 8) -> None:
+  """Prepares the process for JAX; must run before ``import jax``.
+
+  Args:
+    cpu_devices: fake CPU devices to expose when no accelerator is used
+      (``--xla_force_host_platform_device_count``); an explicit setting in
+      ``XLA_FLAGS`` wins.
+  """
+  flags = os.environ.get('XLA_FLAGS', '')
+  if 'xla_force_host_platform_device_count' not in flags:
+    os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={cpu_devices}'.strip()
+  os.environ.setdefault('HF_HUB_OFFLINE', '1')
+  os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+  warnings.filterwarnings('ignore', message='.*TensorFlow and JAX classes are deprecated.*')
+  import jax  # noqa: PLC0415 - must follow the environment set-up above
+  cache = os.environ.get('PIPEJAX_COMPILATION_CACHE',
+                         os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'jax'))
+  if cache:
+    jax.config.update('jax_compilation_cache_dir', cache)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
