@@ -70,7 +70,7 @@ def config_for(kind: str, **overrides):
 
 
 def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: int = 0,
-           abstract: bool = False) -> Created:
+           abstract: bool = False, num_labels: int | None = None) -> Created:
   """Creates a layered model and its canonical parameters.
 
   Args:
@@ -81,12 +81,14 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
       cache) for ``from_pretrained``; PyTorch/safetensors weights are converted
       with ``from_pt=True`` when no Flax weights are present.
     seed: PRNG seed of the random initialisation.
+    num_labels: with ``pretrained``, a classifier size to use instead of the
+      checkpoint's (the head is then freshly initialised).
     abstract: return ``jax.ShapeDtypeStruct`` leaves instead of arrays (for
       planning without allocating the model).
   """
   hf_class = _hf_class(kind)
   if pretrained is not None:
-    hf = _from_pretrained(hf_class, pretrained)
+    hf = _from_pretrained(hf_class, pretrained, num_labels)
     hf_config, hf_params = hf.config, hf.params
   else:
     if hf_config is None:
@@ -95,17 +97,22 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
     rng = jax.random.PRNGKey(seed)
     init = hf.init_weights
     shape = hf.input_shape
-    hf_params = (jax.eval_shape(lambda: init(rng, shape)) if abstract else init(rng, shape))
+    model = build(kind, hf_config)
+    if abstract:
+      return Created(model, jax.eval_shape(lambda: model.from_hf(init(rng, shape))), hf_class)
+    hf_params = init(rng, shape)
   model = build(kind, hf_config)
   params = model.from_hf(hf_params)
   return Created(model=model, params=params, hf_class=hf_class)
 
 
-def _from_pretrained(hf_class, path: str):
+def _from_pretrained(hf_class, path: str, num_labels: int | None = None):
   import os  # noqa: PLC0415
   has_flax = os.path.isdir(path) and os.path.exists(os.path.join(path, 'flax_model.msgpack'))
+  extra = {} if num_labels is None else {'num_labels': num_labels,
+                                         'ignore_mismatched_sizes': True}
   try:
-    return hf_class.from_pretrained(path, from_pt=not has_flax)
+    return hf_class.from_pretrained(path, from_pt=not has_flax, **extra)
   except (OSError, ValueError, EnvironmentError) as e:
     raise ValueError(f'cannot load pretrained model from {path!r}: {e}'.splitlines()[0]) from e
 

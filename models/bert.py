@@ -88,14 +88,15 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     if head == 'classification':
       labels = batch['labels']
       return (layered.softmax_cross_entropy(outputs, labels),
-              layered.classification_metrics(outputs, labels))
+              layered.classification_metrics(outputs, labels, batch.get('example_mask')))
     start_logits, end_logits = outputs
     start, end = batch['start_positions'], batch['end_positions']
     loss = 0.5 * (layered.softmax_cross_entropy(start_logits, start)
                   + layered.softmax_cross_entropy(end_logits, end))
     both = (jnp.argmax(start_logits, -1) == start) & (jnp.argmax(end_logits, -1) == end)
-    return loss, {'correct': jnp.sum(both).astype(jnp.float32),
-                  'count': jnp.asarray(start.shape[0], jnp.float32)}
+    mask = batch.get('example_mask')
+    mask = jnp.ones(start.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    return loss, {'correct': jnp.sum(both * mask), 'count': jnp.sum(mask)}
 
   def _encoder(hf):
     return hf if encoder_key is None else hf[encoder_key]

@@ -142,7 +142,10 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1))
 
 
-def classification_metrics(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
-  """Summed ``correct`` predictions and example ``count`` (add over micro-batches)."""
-  correct = jnp.sum(jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
-  return {'correct': correct, 'count': jnp.asarray(labels.shape[0], jnp.float32)}
+def classification_metrics(logits: jax.Array, labels: jax.Array,
+                           mask: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Summed ``correct`` predictions and example ``count`` (add over
+  micro-batches); ``mask [batch]`` (1 = real example) drops padding."""
+  mask = jnp.ones(labels.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
+  correct = jnp.sum((jnp.argmax(logits, axis=-1) == labels) * mask)
+  return {'correct': correct, 'count': jnp.sum(mask)}

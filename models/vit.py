@@ -61,7 +61,7 @@ def build(config: ViTConfig) -> layered.LayeredModel:
     logits = logits_fn(params, hidden, batch, rng, train)
     labels = batch['labels']
     return (layered.softmax_cross_entropy(logits, labels),
-            layered.classification_metrics(logits, labels))
+            layered.classification_metrics(logits, labels, batch.get('example_mask')))
 
   def hf_to_canonical(hf):
     layers = hf['vit']['encoder']['layer']

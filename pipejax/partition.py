@@ -170,32 +170,42 @@ def to_stage_params(params: Params, partition: Partition) -> Params:
   return out
 
 
-def from_stage_params(stage_params: Params, partition: Partition, base: Params) -> Params:
-  """Stage layout → canonical parameters, the exact inverse of
-  :func:`to_stage_params` on the active units.
+def from_stage_params(stage_params: Params, partition: Partition, frozen: Params) -> Params:
+  """Stage layout (+ frozen prefix) → canonical parameters; the exact inverse
+  of :func:`to_stage_params` on the active units.
 
   Args:
     stage_params: parameters in the stage layout of ``partition``.
     partition: their partition.
-    base: canonical parameters that supply everything outside the pipeline
-      (the frozen blocks and, when frozen, the embedding).
+    frozen: the frozen prefix as from :func:`frozen_prefix` (its ``embed`` and
+      its ``attention`` / ``mlp`` stacks of length F); ignored entries when
+      nothing is frozen.
   """
   t = partition.tables
+  num_frozen = partition.num_frozen_layers
   where_a = {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(t.has_attention))}
   where_m = {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(t.has_mlp))}
 
-  def scatter(stack, staged, where):
-    rows = [staged[where[l]] if l in where else stack[l] for l in range(partition.num_layers)]
+  def scatter(prefix, staged, where):
+    rows = [prefix[l] if l < num_frozen else staged[where[l]]
+            for l in range(partition.num_layers)]
     return jnp.stack(rows)
 
-  out = {
-      'embed': stage_params['embed'] if partition.has_embed else base['embed'],
-      'attention': jax.tree.map(lambda b, s: scatter(b, s, where_a), base['attention'],
+  return {
+      'embed': stage_params['embed'] if partition.has_embed else frozen['embed'],
+      'attention': jax.tree.map(lambda f, s: scatter(f, s, where_a), frozen['attention'],
                                 stage_params['attention']),
-      'mlp': jax.tree.map(lambda b, s: scatter(b, s, where_m), base['mlp'], stage_params['mlp']),
+      'mlp': jax.tree.map(lambda f, s: scatter(f, s, where_m), frozen['mlp'], stage_params['mlp']),
       'head': stage_params['head'],
   }
-  return out
+
+
+def frozen_prefix(params: Params, num_frozen_layers: int) -> Params:
+  """The frozen part of canonical ``params``: the embedding and the first
+  ``num_frozen_layers`` blocks (stacks of that length)."""
+  return {'embed': params['embed'],
+          'attention': jax.tree.map(lambda x: x[:num_frozen_layers], params['attention']),
+          'mlp': jax.tree.map(lambda x: x[:num_frozen_layers], params['mlp'])}
 
 
 def stage_parameter_counts(params: Params, partition: Partition) -> list[int]:

@@ -21,6 +21,8 @@ def setup(cpu_devices: int = 8) -> None:
   os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
   warnings.filterwarnings('ignore', message='.*TensorFlow and JAX classes are deprecated.*')
+  from absl import logging as absl_logging  # noqa: PLC0415
+  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
   import jax  # noqa: PLC0415 - must follow the environment set-up above
   cache = os.environ.get('PIPEJAX_COMPILATION_CACHE',
                          os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'jax'))

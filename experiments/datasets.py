@@ -1,0 +1,69 @@
+"""Data sets of the experiments: ImageNet from TFDS (array_record, read with
+``tfds.data_source``, no TensorFlow) and the embedded default, scikit-learn's
+handwritten digits (1,797 real 8x8 images shipped with the package)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pipejax.data import ArraySource, TfdsSource
+
+
+class DatasetMissing(RuntimeError):
+  """A requested data set is not prepared."""
+
+
+@dataclasses.dataclass
+class Dataset:
+  name: str
+  train: object
+  eval: object
+  num_classes: int
+  image_size: int
+  channels: int
+
+
+def digits(eval_fraction: float = 0.2, seed: int = 0) -> Dataset:
+  """scikit-learn's digits: 8x8 grey images scaled to [0, 1], a fixed split."""
+  from sklearn.datasets import load_digits  # noqa: PLC0415
+  d = load_digits()
+  images = (d.images / 16.0).astype(np.float32)[..., None]
+  labels = d.target.astype(np.int32)
+  order = np.random.default_rng(seed).permutation(len(images))
+  n_eval = int(round(len(images) * eval_fraction))
+  ev, tr = order[:n_eval], order[n_eval:]
+  return Dataset('digits', ArraySource({'pixel_values': images[tr], 'labels': labels[tr]}),
+                 ArraySource({'pixel_values': images[ev], 'labels': labels[ev]}),
+                 num_classes=10, image_size=8, channels=1)
+
+
+def _imagenet_transform(image_size: int):
+  from PIL import Image  # noqa: PLC0415
+
+  def transform(example):
+    img = Image.fromarray(np.asarray(example['image'])).convert('RGB')
+    w, h = img.size
+    side = min(w, h)  # centre crop, then resize (deterministic: no augmentation)
+    img = img.crop(((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2))
+    img = img.resize((image_size, image_size), Image.BILINEAR)
+    pixels = (np.asarray(img, np.float32) / 127.5) - 1.0
+    return {'pixel_values': pixels, 'labels': np.int32(example['label'])}
+  return transform
+
+
+def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') -> Dataset:
+  """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`."""
+  import tensorflow_datasets as tfds  # noqa: PLC0415
+  try:
+    train = tfds.data_source(name, split='train', data_dir=data_dir or None, download=False)
+    evaluation = tfds.data_source(name, split='validation', data_dir=data_dir or None,
+                                  download=False)
+  except Exception as e:  # tfds raises several types for "not prepared"
+    raise DatasetMissing(
+        f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
+        f'({type(e).__name__}); prepare it with: tfds build {name} '
+        f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
+  transform = _imagenet_transform(image_size)
+  return Dataset(name, TfdsSource(train, transform), TfdsSource(evaluation, transform),
+                 num_classes=1000, image_size=image_size, channels=3)

@@ -1,0 +1,185 @@
+"""The shared body of the elastic training entry points: resolve data and model
+from the config, run :class:`pipejax.trainer.Trainer`, write the outputs."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+
+import jax
+from tqdm import tqdm
+
+import models
+from experiments import datasets
+from pipejax import autodp, checkpoints, freeze, pipeline, reporting, schedule
+from pipejax.data import Loader
+from pipejax.partition import PartitionError
+from pipejax.trainer import Trainer
+
+
+class ConfigError(ValueError):
+  """A configuration value outside what the run accepts."""
+
+
+def _log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+def check_config(config, num_devices_available: int) -> None:
+  """Validates the values that the library would only reject later."""
+  c = config
+  if c.train.epochs < 1:
+    raise ConfigError(f'train.epochs must be >= 1, got {c.train.epochs}')
+  if c.train.batch_size < 1:
+    raise ConfigError(f'train.batch_size must be >= 1, got {c.train.batch_size}')
+  if c.train.batch_mode not in ('constant', 'per_pipeline'):
+    raise ConfigError(f"train.batch_mode must be 'constant' or 'per_pipeline', got "
+                      f'{c.train.batch_mode!r}')
+  if c.pipeline.schedule not in schedule.SCHEDULES:
+    raise ConfigError(f'pipeline.schedule must be one of {sorted(schedule.SCHEDULES)}, got '
+                      f'{c.pipeline.schedule!r}')
+  if c.pipeline.devices < 1 or c.pipeline.devices > num_devices_available:
+    raise ConfigError(f'pipeline.devices={c.pipeline.devices} but {num_devices_available} '
+                      f'devices are available')
+  n = c.pipeline.devices
+  if c.pipeline.initial_length < 1 or n % c.pipeline.initial_length:
+    ok = [k for k in range(1, n + 1) if n % k == 0]
+    raise ConfigError(f'pipeline.initial_length={c.pipeline.initial_length} does not divide '
+                      f'the {n} devices; use one of {ok}')
+  freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
+                      c.freeze.min_active_layers)
+
+
+def resolve_data(config) -> datasets.Dataset:
+  name = config.data.name
+  if name == 'digits':
+    return datasets.digits(seed=config.seed)
+  if name in ('auto', 'imagenet2012'):
+    try:
+      return datasets.imagenet(config.data.data_dir, config.data.image_size)
+    except datasets.DatasetMissing as e:
+      if name != 'auto':
+        raise
+      _log(f'ImageNet not found ({str(e).split(";")[0]}); running the embedded default: '
+           f'a 12-block ViT on scikit-learn digits with {config.pipeline.devices} devices')
+      return datasets.digits(seed=config.seed)
+  raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
+
+
+def resolve_model(config, data: datasets.Dataset) -> models.Created:
+  m = config.model
+  if m.pretrained:
+    return models.create('vit', pretrained=m.pretrained, num_labels=data.num_classes)
+  preset = m.preset
+  if preset == 'auto':
+    preset = 'vit-b16' if data.name.startswith('imagenet') else 'custom'
+  if preset == 'custom':
+    overrides = dict(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                     num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
+                     patch_size=m.patch_size, initializer_range=m.initializer_range,
+                     hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout)
+  elif preset in models.PRESETS and models.PRESETS[preset][0] == 'vit':
+    overrides = dict(models.PRESETS[preset][1])
+  else:
+    vits = [k for k, v in models.PRESETS.items() if v[0] == 'vit']
+    raise ConfigError(f"model.preset must be 'auto', 'custom' or one of {vits}, got {preset!r}")
+  overrides.update(image_size=data.image_size, num_channels=data.channels,
+                   num_labels=data.num_classes)
+  return models.create('vit', models.config_for('vit', **overrides), seed=config.seed)
+
+
+@contextlib.contextmanager
+def _progress(epoch: int, total: int):
+  bar = tqdm(total=total, desc=f'epoch {epoch}', leave=False, dynamic_ncols=True,
+             file=sys.stderr, mininterval=1.0)
+  try:
+    yield bar
+  finally:
+    bar.close()
+
+
+def run(config, workdir: str | None, task: str) -> dict:
+  """Runs one elastic (or baseline) training; returns the summary."""
+  start = time.perf_counter()
+  devices_available = len(jax.devices())
+  check_config(config, devices_available)
+  devices = jax.devices()[:config.pipeline.devices]
+  data = resolve_data(config)
+  created = resolve_model(config, data)
+  model = created.model
+  if config.freeze.min_active_layers > model.num_layers:
+    raise ConfigError(f'freeze.min_active_layers={config.freeze.min_active_layers} exceeds the '
+                      f'{model.num_layers} layers')
+  workdir = workdir or os.path.join(
+      'runs', f'{task}-{datetime.datetime.now().strftime("%Y%m%d-%H%M%S")}')
+  os.makedirs(workdir, exist_ok=True)
+  if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
+    raise ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another --workdir')
+  with config.unlocked():
+    config.pipeline.profile_path = os.path.expanduser(config.pipeline.profile_path)
+  train_loader = Loader(data.train, config.train.batch_size, seed=config.seed)
+  eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False)
+  mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
+  _log(f'{mode} run: {data.name}, ViT L={model.num_layers} d={model.hf_config.hidden_size}, '
+       f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
+       f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
+  trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
+                    devices=devices, log=_log)
+  ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
+      config.checkpoint.enabled) else None
+
+  def on_epoch(epoch, row):
+    if ckpt is not None:
+      ckpt.save(row['step'], trainer.state, {
+          'epoch': epoch, 'plan': trainer.plan.describe(),
+          'stage_sizes': list(trainer.plan.partition.stage_sizes),
+          'frozen_layers': trainer.plan.partition.num_frozen_layers,
+          'freeze_state': trainer.policy.state.to_dict(), 'model': model.name})
+
+  try:
+    result = trainer.run(config.train.epochs, _progress, on_epoch)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+  rows = result['rows']
+  summary = {
+      'mode': mode, 'task': task, 'data': data.name, 'config': config.to_dict(),
+      'devices': len(devices), 'platform': devices[0].platform,
+      'total_seconds': time.perf_counter() - start,
+      'train_seconds': result['seconds'],
+      'final_eval_accuracy': rows[-1]['eval_accuracy'],
+      'best_eval_accuracy': max(r['eval_accuracy'] for r in rows),
+      'final_train_loss': rows[-1]['train_loss'],
+      'transitions': [t.__dict__ for t in trainer.transitions],
+      'freeze_decisions': [d.__dict__ for d in trainer.policy.state.history],
+      'micro_batch_timings': {str(k): v for k, v in trainer.micro_batch_timings.items()},
+      'final_plan': trainer.plan.describe(),
+  }
+  reporting.write_summary(workdir, summary)
+  reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, ViT L={model.num_layers}')
+  _log(f'done in {summary["total_seconds"]:.1f}s: final eval accuracy '
+       f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '
+       f'outputs in {workdir}')
+  return summary
+
+
+KNOWN_ERRORS = (ConfigError, datasets.DatasetMissing, freeze.FreezeConfigError,
+                pipeline.PlanError, PartitionError, schedule.ScheduleError)
+
+
+def main(config, workdir: str | None, task: str) -> int:
+  """CLI wrapper: known bad input → one line on stderr and exit code 2."""
+  try:
+    run(config, workdir, task)
+  except KNOWN_ERRORS as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print('interrupted', file=sys.stderr)
+    return 130
+  return 0
+
+
+__all__ = ['ConfigError', 'main', 'run', 'autodp']

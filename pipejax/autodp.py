@@ -1,0 +1,125 @@
+"""AutoDP (paper §3.3): when the pipeline shrinks from K to K', the device mesh
+is rebuilt as (R' = N / K', K'), the training state is moved onto it, and the
+data is re-split over R' replicas.
+
+The move is one jitted relayout from the old stage layout to the new one with
+the new mesh's shardings as ``out_shardings``: arrays go device to device, the
+whole model never visits the host. Parameters of newly frozen blocks move to
+the replicated frozen prefix; the optimizer moments of blocks that stay active
+(and of the head) move with them, those of newly frozen blocks are dropped;
+step counters (hence the learning-rate schedule) are kept.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pipejax import partition as part
+from pipejax import pipeline
+
+Params = Any
+
+
+def replicas_for(num_devices: int, pipeline_length: int) -> int:
+  """R = N / K, checking that K divides N."""
+  if pipeline_length < 1 or num_devices % pipeline_length:
+    raise pipeline.PlanError(f'pipeline length {pipeline_length} does not divide the '
+                             f'{num_devices} devices')
+  return num_devices // pipeline_length
+
+
+def global_batch_size(batch_size: int, replicas: int, mode: str) -> int:
+  """The global batch for R replicas.
+
+  ``mode='constant'`` (default) keeps ``batch_size`` whatever R is, which
+  preserves the optimisation semantics; ``'per_pipeline'`` is the paper's
+  behaviour, ``batch_size`` per pipeline, so the global batch grows with R.
+  """
+  if mode == 'constant':
+    return batch_size
+  if mode == 'per_pipeline':
+    return batch_size * replicas
+  raise ValueError(f"unknown batch mode {mode!r}; expected 'constant' or 'per_pipeline'")
+
+
+def is_param_tree(x) -> bool:
+  """Whether ``x`` is a tree in the stage layout (parameters or a moment)."""
+  return isinstance(x, dict) and 'attention' in x and 'mlp' in x and 'head' in x
+
+
+def map_param_trees(fn, tree, template=None):
+  """Applies ``fn`` to every stage-layout subtree of an optimizer state.
+
+  With ``template`` (e.g. ``jax.eval_shape(optimizer.init, new_params)``) the
+  result takes the template's container types; other leaves are copied.
+  """
+  template = tree if template is None else template
+  if is_param_tree(template):
+    return fn(tree)
+  if isinstance(template, tuple) and hasattr(template, '_fields'):
+    return type(template)(*[map_param_trees(fn, a, b) for a, b in zip(tree, template)])
+  if isinstance(template, (tuple, list)):
+    return type(template)(map_param_trees(fn, a, b) for a, b in zip(tree, template))
+  if isinstance(template, dict):
+    return {k: map_param_trees(fn, tree[k], v) for k, v in template.items()}
+  return tree
+
+
+def state_shardings(state_shapes: dict, mesh: Mesh) -> dict:
+  """Shardings of a trainer state on ``mesh``: stage-layout trees over
+  ``'stage'``, everything else replicated."""
+  replicated = NamedSharding(mesh, P())
+
+  def stage_tree(t):
+    return pipeline.stage_param_shardings(t, mesh)
+
+  out = {}
+  for key, value in state_shapes.items():
+    if key == 'active':
+      out[key] = stage_tree(value)
+    elif key == 'opt':
+      out[key] = map_param_trees(stage_tree, value)
+      out[key] = jax.tree.map(lambda x: x if isinstance(x, NamedSharding) else replicated,
+                              out[key], is_leaf=lambda x: isinstance(x, NamedSharding))
+    else:
+      out[key] = jax.tree.map(lambda _: replicated, value)
+  return out
+
+
+def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
+             opt_template) -> dict:
+  """Moves a trainer state from partition ``old`` to ``new`` on ``mesh``.
+
+  Args:
+    state: ``{'frozen', 'active', 'opt', ...}``; ``frozen`` is the frozen
+      prefix (:func:`pipejax.partition.frozen_prefix`), ``active`` the stage
+      layout of ``old``, ``opt`` the optimizer state of ``active``.
+    old, new: the partitions; ``new`` may freeze more blocks, never fewer.
+    mesh: the new mesh.
+    opt_template: ``jax.eval_shape(optimizer.init, new_active)``.
+
+  Returns:
+    The state laid out for ``new`` and sharded on ``mesh``.
+  """
+  if new.num_frozen_layers < old.num_frozen_layers:
+    raise ValueError(f'cannot unfreeze: {old.num_frozen_layers} -> {new.num_frozen_layers}')
+
+  def move(state):
+    canonical = part.from_stage_params(state['active'], old, state['frozen'])
+    out = dict(state)
+    out['frozen'] = part.frozen_prefix(canonical, new.num_frozen_layers)
+    out['active'] = part.to_stage_params(canonical, new)
+    zero_prefix = jax.tree.map(jnp.zeros_like, state['frozen'])
+
+    def moment(tree):
+      full = part.from_stage_params(tree, old, zero_prefix)
+      return part.to_stage_params(full, new)
+
+    out['opt'] = map_param_trees(moment, state['opt'], opt_template)
+    return out
+
+  shapes = jax.eval_shape(move, state)
+  return jax.jit(move, out_shardings=state_shardings(shapes, mesh))(state)

@@ -1,0 +1,205 @@
+"""AutoPipe (paper §3.2, Algorithm 1): balanced partitions of the active
+layers, pipeline compression K → K/2 (Eq. 2), and micro-batch choice.
+
+Costs are per unit (embed, each attention / MLP sub-layer, head), by default
+the parameter count as in the paper. Frozen layers are costed
+as in Algorithm 1: ``λ_frozen · S_frozen`` (λ_frozen = 1/6 by default: no
+gradients, optimizer state or stashed activations, paper §3.2.1) is charged to
+the first stage, and the partition balances around it. The memory proxy is::
+
+  M_GPU = max_k S_k        with S_0 including λ_frozen · S_frozen        (Eq. 2)
+
+and the pipeline is halved while ``M_GPU(T) ≤ M_GPU(0)``.
+
+(pipejax runs the frozen prefix outside the pipeline, forward-only and
+data-parallel over all devices, with its parameters replicated; the plan's
+memory estimate in :mod:`pipejax.plan` reports that actual per-device cost
+beside the paper's proxy.)
+
+Partitioning is exact, not greedy: the contiguous partition minimising the
+largest stage cost (dynamic programming over the ≤ 2L+2 units).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from pipejax.partition import Partition, PartitionError
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+  """Cost of every unit of a model (index = global unit id, 2L+2 entries)."""
+  num_layers: int
+  costs: tuple[float, ...]
+
+  def active(self, num_frozen_layers: int) -> list[float]:
+    units = Partition(self.num_layers, num_frozen_layers,
+                      (2 * (self.num_layers - num_frozen_layers) + 1
+                       + int(num_frozen_layers == 0),)).active_units
+    return [self.costs[u] for u in units]
+
+  def frozen(self, num_frozen_layers: int) -> float:
+    """S_frozen: the embedding and the frozen blocks (0 when nothing is frozen)."""
+    if num_frozen_layers == 0:
+      return 0.0
+    return float(sum(self.costs[:2 * num_frozen_layers + 1]))
+
+
+def parameter_costs(params: Any) -> UnitCosts:
+  """Parameter counts per unit from canonical ``params`` (arrays or shapes)."""
+  def size(tree):
+    return float(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+  num_layers = int(jax.tree.leaves(params['attention'])[0].shape[0])
+  attn = size(params['attention']) / num_layers
+  mlp = size(params['mlp']) / num_layers
+  return UnitCosts(num_layers, (size(params['embed']),) + (attn, mlp) * num_layers
+                   + (size(params['head']),))
+
+
+def balance(costs: Sequence[float], num_stages: int,
+            first_stage_offset: float = 0.0) -> tuple[int, ...]:
+  """Contiguous split of ``costs`` into ``num_stages`` non-empty stages that
+  minimises the largest stage sum, the first stage charged
+  ``first_stage_offset`` on top (the λ-costed frozen layers).
+
+  Returns the stage sizes (units per stage).
+  """
+  n = len(costs)
+  if not 1 <= num_stages <= n:
+    raise PartitionError(f'cannot split {n} units into {num_stages} non-empty stages')
+  prefix = np.concatenate([[0.0], np.cumsum(costs)])
+
+  @functools.lru_cache(maxsize=None)
+  def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
+    if stages == 1:
+      return (prefix[n] - prefix[start] + (first_stage_offset if start == 0 else 0.0),
+              (n - start,))
+    choice = None
+    for end in range(start + 1, n - stages + 2):
+      head = prefix[end] - prefix[start] + (first_stage_offset if start == 0 else 0.0)
+      rest, sizes = best(end, stages - 1)
+      cand = (max(head, rest), (end - start,) + sizes)
+      if choice is None or cand[0] < choice[0] - 1e-9:
+        choice = cand
+    return choice
+
+  return best(0, num_stages)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """A partition with its per-stage costs (active units only), the frozen
+  prefix's cost S_frozen and the memory proxy of Eq. 2."""
+  partition: Partition
+  stage_costs: tuple[float, ...]
+  frozen_cost: float
+  memory_proxy: float
+
+
+def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
+                  lambda_frozen: float) -> StagePlan:
+  """The balanced partition of the active units into ``pipeline_length`` stages."""
+  active = costs.active(num_frozen_layers)
+  frozen = costs.frozen(num_frozen_layers)
+  sizes = balance(active, pipeline_length, lambda_frozen * frozen)
+  stage_costs, start = [], 0
+  for size in sizes:
+    stage_costs.append(float(sum(active[start:start + size])))
+    start += size
+  charged = [c + (lambda_frozen * frozen if i == 0 else 0.0) for i, c in enumerate(stage_costs)]
+  return StagePlan(Partition(costs.num_layers, num_frozen_layers, sizes), tuple(stage_costs),
+                   frozen, max(charged))
+
+
+def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
+             initial_pipeline_length: int, lambda_frozen: float) -> StagePlan:
+  """Algorithm 1 lines 25-33: halve K while the memory proxy stays within the
+  largest stage at T = 0 (Eq. 2). Starts from the current ``pipeline_length``
+  and never grows it; a length above the number of active units is halved
+  first, whatever the memory."""
+  reference = partition_for(costs, 0, initial_pipeline_length, lambda_frozen).memory_proxy
+  k = pipeline_length
+  # More stages than active units cannot run: halve regardless of memory.
+  while k > len(costs.active(num_frozen_layers)):
+    k //= 2
+  plan = partition_for(costs, num_frozen_layers, k, lambda_frozen)
+  while k >= 2 and k % 2 == 0:
+    candidate = partition_for(costs, num_frozen_layers, k // 2, lambda_frozen)
+    if candidate.memory_proxy > reference + 1e-6:
+      break
+    plan, k = candidate, k // 2
+  return plan
+
+
+def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,
+                           max_factor: int = 6) -> list[int]:
+  """M ∈ {K, 2K, …, 6K} that divide the per-replica batch (M = 1 allowed
+  for K = 1 and always a fallback when nothing divides)."""
+  out = [f * pipeline_length for f in range(1, max_factor + 1)
+         if batch_per_replica % (f * pipeline_length) == 0]
+  return out or [1]
+
+
+class MicroBatchProfile:
+  """Chosen micro-batch counts per pipeline length, remembered for the run and
+  in a JSON file shared by runs of the same configuration.
+
+  Args:
+    path: the JSON file (None keeps it in memory only).
+    key: identity of the configuration (model, batch, devices, …).
+  """
+
+  def __init__(self, path: str | None, key: dict[str, Any]):
+    self.path = path
+    self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    self.entries: dict[str, Any] = {}
+    if path and os.path.exists(path):
+      try:
+        with open(path) as f:
+          self.entries = json.load(f).get(self.key, {})
+      except (OSError, json.JSONDecodeError):
+        self.entries = {}  # A corrupt profile is re-measured, never trusted.
+
+  def get(self, pipeline_length: int) -> int | None:
+    entry = self.entries.get(str(pipeline_length))
+    return None if entry is None else int(entry['micro_batches'])
+
+  def choose(self, pipeline_length: int, candidates: Sequence[int],
+             measure: Callable[[int], float]) -> tuple[int, dict[int, float]]:
+    """Returns the remembered M for K, or measures each candidate (seconds
+    per step) and remembers the fastest."""
+    known = self.get(pipeline_length)
+    if known is not None and known in candidates:
+      return known, {}
+    timings = {m: float(measure(m)) for m in candidates}
+    best = min(timings, key=timings.get)
+    self.entries[str(pipeline_length)] = {'micro_batches': best,
+                                          'seconds': {str(k): v for k, v in timings.items()}}
+    self._save()
+    return best, timings
+
+  def _save(self) -> None:
+    if not self.path:
+      return
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    data = {}
+    if os.path.exists(self.path):
+      try:
+        with open(self.path) as f:
+          data = json.load(f)
+      except (OSError, json.JSONDecodeError):
+        data = {}
+    data[self.key] = self.entries
+    tmp = f'{self.path}.tmp'
+    with open(tmp, 'w') as f:
+      json.dump(data, f, indent=1)
+    os.replace(tmp, self.path)

@@ -1,0 +1,45 @@
+"""Orbax checkpoints of the trainer state and its plan, under ``workdir/checkpoints``."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+  """Saves the trainer state (asynchronously) with JSON metadata each epoch.
+
+  Args:
+    workdir: the run's directory; checkpoints go to ``workdir/checkpoints``.
+    keep: how many recent checkpoints to keep.
+  """
+
+  def __init__(self, workdir: str, keep: int = 2):
+    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Starts saving ``state`` and ``meta`` as checkpoint ``step``.
+
+    Zero-size arrays (the frozen stacks while nothing is frozen) are left out;
+    orbax cannot store them and ``meta`` says how many layers are frozen.
+    """
+    state = _without_empty(state)
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)))
+
+  def close(self) -> None:
+    """Waits for pending saves."""
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def _without_empty(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    out = {k: _without_empty(v) for k, v in tree.items()}
+    return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)
+            and getattr(v, 'size', 1) != 0}
+  return tree

@@ -1,0 +1,115 @@
+"""Print AutoPipe's plan for a model as JSON, without running the model.
+
+    python -m pipejax.plan --model vit-b16 --devices 8 --frozen-layers 0
+
+``stages`` lists each stage's sub-layers (``embed``, ``attn.i``, ``mlp.i``,
+``head``) and parameter count; ``pipeline_length`` is after compression
+(Eq. 2) from ``--initial-pipeline-length`` (default: the device count);
+``micro_batches`` is the profiled choice remembered in ``--profile`` when one
+exists for this configuration, else the smallest candidate (K). Memory is
+estimated per device for float32 training with AdamW: the stage's trainable
+parameters with gradients and two moments (16 bytes each), the padding of the
+stage layout, and the replicated frozen prefix and embedding/head (4 bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipejax import runtime
+
+
+def _unit_name(unit: int, num_layers: int) -> str:
+  if unit == 0:
+    return 'embed'
+  if unit == 2 * num_layers + 1:
+    return 'head'
+  layer, kind = divmod(unit - 1, 2)
+  return f'{"attn" if kind == 0 else "mlp"}.{layer}'
+
+
+def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,
+               initial_pipeline_length: int | None = None, batch_size: int | None = None,
+               profile: str | None = None) -> dict:
+  """The plan of ``model_name`` (a key of :data:`models.PRESETS`) as a dict."""
+  import models  # noqa: PLC0415
+  from pipejax import autopipe  # noqa: PLC0415
+
+  if model_name not in models.PRESETS:
+    raise ValueError(f'unknown model {model_name!r}; expected one of {sorted(models.PRESETS)}')
+  kind, overrides = models.PRESETS[model_name]
+  created = models.create(kind, models.config_for(kind, **overrides), abstract=True)
+  params = created.params
+  num_layers = created.model.num_layers
+  if not 0 <= frozen_layers < num_layers:
+    raise ValueError(f'--frozen-layers must be in [0, {num_layers - 1}], got {frozen_layers}')
+  initial = initial_pipeline_length or devices
+  if devices % initial:
+    raise ValueError(f'initial pipeline length {initial} does not divide {devices} devices')
+  costs = autopipe.parameter_costs(params)
+  stage_plan = autopipe.compress(costs, frozen_layers, initial, initial, lambda_frozen)
+  partition = stage_plan.partition
+  k = partition.pipeline_length
+  replicas = devices // k
+  micro = None
+  if profile:
+    micro = autopipe.MicroBatchProfile(profile, {'model': model_name, 'devices': devices,
+                                                 'batch': batch_size}).get(k)
+  source = 'profile' if micro else 'default (K; profiling happens at training time)'
+  micro = micro or k
+  unit_costs = costs.costs
+  slots = partition.tables.num_slots
+  attn, mlp = unit_costs[1], unit_costs[2]
+  shared = unit_costs[0] * partition.has_embed + unit_costs[-1]
+  stages = []
+  for units, cost in zip(partition.stage_units(), stage_plan.stage_costs):
+    stages.append({'sublayers': [_unit_name(u, num_layers) for u in units],
+                   'parameters': int(cost)})
+  frozen = costs.frozen(frozen_layers)
+  padded_stack = slots * (attn + mlp)  # every device holds the padded block slots
+  memory = []
+  for stage in stages:
+    memory.append({
+        'trainable_parameter_bytes': int(16 * stage['parameters']),
+        'stage_layout_bytes': int(16 * (padded_stack + shared)),
+        'frozen_prefix_bytes': int(4 * frozen),
+        'paper_proxy_parameters': int(stage['parameters'] + (
+            lambda_frozen * frozen if stage is stages[0] else 0)),
+    })
+  return {
+      'model': model_name, 'devices': devices, 'frozen_layers': frozen_layers,
+      'lambda_frozen': lambda_frozen, 'pipeline_length': k, 'replicas': replicas,
+      'micro_batches': micro, 'micro_batches_source': source,
+      'stage_sizes': list(partition.stage_sizes), 'stages': stages,
+      'max_stage_parameters': max(s['parameters'] for s in stages),
+      'memory_proxy_eq2': int(stage_plan.memory_proxy),
+      'estimated_memory_per_stage': memory,
+  }
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description='Print the AutoPipe plan as JSON.')
+  p.add_argument('--model', required=True, help='one of the presets, e.g. vit-b16, bert-base')
+  p.add_argument('--devices', type=int, required=True)
+  p.add_argument('--frozen-layers', type=int, default=0)
+  p.add_argument('--lambda-frozen', type=float, default=1 / 6)
+  p.add_argument('--initial-pipeline-length', type=int, default=None)
+  p.add_argument('--batch-size', type=int, default=None)
+  p.add_argument('--profile', default=None, help='micro-batch profile JSON of a training run')
+  args = p.parse_args(argv)
+  runtime.setup(1)
+  try:
+    plan = build_plan(args.model, args.devices, args.frozen_layers,
+                      lambda_frozen=args.lambda_frozen,
+                      initial_pipeline_length=args.initial_pipeline_length,
+                      batch_size=args.batch_size, profile=args.profile)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  print(json.dumps(plan, indent=2))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,346 @@
+"""The elastic training loop (paper Algorithm 1 end to end).
+
+Each epoch runs the compiled step of the current plan over the loader's
+batches: the frozen prefix forward-only and data-parallel over all devices
+(``stop_gradient`` at the boundary), then the pipelined step over the active
+units, then AdamW on the active parameters only. At the end of each freeze
+timestep the policy decides F (Eq. 1); a change of F is the only thing that
+changes the plan: AutoPipe repartitions and compresses K, AutoDP rebuilds the
+mesh as (N/K, K), moves the state and the step is compiled (or taken from the
+cache). Frozen parameters live outside the optimizer: no moment, no weight
+decay, no update ever touches them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.layered import LayeredModel
+from pipejax import autodp, autopipe, freeze, pipeline, reporting
+from pipejax import partition as part
+from pipejax.data import Loader
+
+Params = Any
+
+
+@dataclasses.dataclass
+class Transition:
+  """One change of plan, timed."""
+  epoch: int
+  step: int
+  frozen_layers: int
+  old: str
+  new: str
+  reshard_seconds: float
+  compile_seconds: float
+
+
+def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
+  """``[L]`` gradient norm of every block (attention and MLP halves together)
+  from gradients in the stage layout; frozen blocks get 0."""
+  t = partition.tables
+
+  def slot_sq(stack):
+    return sum(jnp.sum(jnp.square(g), axis=tuple(range(2, g.ndim)))
+               for g in jax.tree.leaves(stack))
+
+  sq = slot_sq(grads['attention']) * t.has_attention + slot_sq(grads['mlp']) * t.has_mlp
+  per_layer = jnp.zeros(partition.num_layers, jnp.float32).at[t.layer.reshape(-1)].add(
+      sq.reshape(-1))
+  return jnp.sqrt(per_layer)
+
+
+class Trainer:
+  """Elastic PipeTransformer training of one model.
+
+  Args:
+    model: the layered model.
+    params: its canonical parameters (random or pretrained).
+    config: the run's ``ml_collections.ConfigDict`` (see
+      ``experiments/vit_imagenet.py`` for the fields).
+    workdir: where metrics, summary and checkpoints go.
+    train_loader, eval_loader: :class:`pipejax.data.Loader`\\ s.
+    devices: devices to use (default: all).
+    log: a ``print``-like function for one-line progress messages.
+  """
+
+  def __init__(self, model: LayeredModel, params: Params, config, workdir: str,
+               train_loader: Loader, eval_loader: Loader, devices=None,
+               log: Callable[[str], None] = print):
+    self.model, self.config, self.workdir = model, config, workdir
+    self.train_loader, self.eval_loader = train_loader, eval_loader
+    self.devices = list(jax.devices() if devices is None else devices)
+    self.log = log
+    self.num_devices = len(self.devices)
+    c = config
+    self.policy = freeze.FreezePolicy(c.freeze.policy, model.num_layers, c.freeze.alpha,
+                                      c.freeze.min_active_layers)
+    self.costs = autopipe.parameter_costs(params)
+    self.initial_length = c.pipeline.initial_length
+    autodp.replicas_for(self.num_devices, self.initial_length)
+    self.pipe = pipeline.Pipeline(model, devices=self.devices)
+    self.profile = autopipe.MicroBatchProfile(
+        c.pipeline.profile_path or None,
+        {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,
+         'batch_mode': c.train.batch_mode, 'devices': self.num_devices,
+         'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule})
+    self.steps_per_epoch = train_loader.steps_per_epoch()
+    total = max(1, c.train.epochs * self.steps_per_epoch)
+    warmup = int(c.train.warmup_epochs * self.steps_per_epoch)
+    self.lr = optax.warmup_cosine_decay_schedule(0.0, c.train.learning_rate, max(1, warmup),
+                                                 total, end_value=0.0)
+    self.optimizer = optax.adamw(self.lr, weight_decay=c.train.weight_decay)
+    self._steps: dict[tuple, Any] = {}
+    self.transitions: list[Transition] = []
+    self.micro_batch_timings: dict[int, dict[int, float]] = {}
+    partition = autopipe.partition_for(self.costs, 0, self.initial_length,
+                                       c.freeze.lambda_frozen).partition
+    self.plan = self._plan(partition, micro_batches=None)
+    self.state = self._init_state(params, self.plan)
+
+  # -- plans -------------------------------------------------------------------
+  def _plan(self, partition: part.Partition, micro_batches: int | None) -> pipeline.Plan:
+    k = partition.pipeline_length
+    replicas = autodp.replicas_for(self.num_devices, k)
+    m = micro_batches or self.config.pipeline.micro_batches or k
+    plan = pipeline.Plan(partition, replicas, m, self.config.pipeline.schedule)
+    pipeline.check_batch(self.batch_size(plan), plan)
+    return plan
+
+  def batch_size(self, plan: pipeline.Plan) -> int:
+    return autodp.global_batch_size(self.config.train.batch_size, plan.replicas,
+                                    self.config.train.batch_mode)
+
+  def micro_batch_candidates(self, plan: pipeline.Plan) -> list[int]:
+    if self.config.pipeline.micro_batches:
+      return [self.config.pipeline.micro_batches]
+    per_replica = self.batch_size(plan) // plan.replicas
+    return autopipe.micro_batch_candidates(plan.pipeline_length, per_replica)
+
+  def mesh(self, plan: pipeline.Plan) -> Mesh:
+    return pipeline.make_mesh(plan.pipeline_length, self.devices)
+
+  # -- state -------------------------------------------------------------------
+  def _init_state(self, params: Params, plan: pipeline.Plan) -> dict:
+    partition = plan.partition
+
+    def init(params):
+      active = part.to_stage_params(params, partition)
+      return {'step': jnp.zeros((), jnp.int32),
+              'frozen': part.frozen_prefix(params, partition.num_frozen_layers),
+              'active': active,
+              'opt': self.optimizer.init(active),
+              'rng': jax.random.PRNGKey(self.config.seed + 1),
+              'layer_norms': jnp.zeros(self.model.num_layers, jnp.float32),
+              'sums': jnp.zeros(3, jnp.float32)}
+
+    shapes = jax.eval_shape(init, params)
+    return jax.jit(init, out_shardings=autodp.state_shardings(shapes, self.mesh(plan)))(params)
+
+  def canonical_params(self) -> Params:
+    """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
+    partition = self.plan.partition
+    return jax.jit(lambda s: part.from_stage_params(s['active'], partition, s['frozen']))(
+        self.state)
+
+  # -- compiled steps ------------------------------------------------------------
+  def _feed(self, frozen, batch, partition: part.Partition, mesh: Mesh):
+    """The pipeline's input: the batch, or the frozen prefix's output."""
+    if partition.has_embed:
+      return batch
+    spread = NamedSharding(mesh, P((pipeline.DATA, pipeline.STAGE)))
+    inputs = {k: jax.lax.with_sharding_constraint(batch[k], spread) for k in self.model.input_keys}
+    hidden = self.model.hidden_states(frozen, inputs, upto_layer=partition.num_frozen_layers)
+    hidden = jax.lax.with_sharding_constraint(jax.lax.stop_gradient(hidden),
+                                              NamedSharding(mesh, P(pipeline.DATA)))
+    keep = self.model.block_keys + self.model.label_keys + ('example_mask',)
+    return {'hidden': hidden, **{k: batch[k] for k in keep if k in batch}}
+
+  def _compiled(self, plan: pipeline.Plan, kind: str):
+    key = (plan, kind)
+    if key in self._steps:
+      return self._steps[key]
+    mesh = self.mesh(plan)
+    partition = plan.partition
+    active_shapes = jax.eval_shape(lambda s: s['active'], self.state)
+    if kind == 'train':
+      grad = self.pipe.grad_fn(plan, active_shapes, train=True).jitted
+
+      def step(state, batch):
+        rng, step_rng = jax.random.split(state['rng'])
+        feed = self._feed(state['frozen'], batch, partition, mesh)
+        loss, metrics, grads = grad(state['active'], feed, step_rng)
+        updates, opt = self.optimizer.update(grads, state['opt'], state['active'])
+        return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
+                'active': optax.apply_updates(state['active'], updates),
+                'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition),
+                'sums': state['sums'] + jnp.stack([loss, metrics['correct'],
+                                                   metrics['count']])}
+
+      shardings = autodp.state_shardings(jax.eval_shape(lambda s: s, self.state), mesh)
+      fn = jax.jit(step, donate_argnums=0, out_shardings=shardings)
+    else:
+      evaluate = self.pipe.eval_fn(plan, active_shapes).jitted
+
+      def eval_step(state, batch):
+        feed = self._feed(state['frozen'], batch, partition, mesh)
+        _, metrics = evaluate(state['active'], feed, jax.random.PRNGKey(0))
+        return metrics
+
+      fn = jax.jit(eval_step)
+    self._steps[key] = fn
+    return fn
+
+  def _put(self, batch: dict, plan: pipeline.Plan) -> dict:
+    mesh = self.mesh(plan)
+    axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
+    return jax.device_put(batch, NamedSharding(mesh, P(axes)))
+
+  def _compile_ahead(self, plan: pipeline.Plan, batch: dict) -> float:
+    """Compiles the train and eval steps of ``plan``; returns seconds."""
+    start = time.perf_counter()
+    placed = self._put(batch, plan)
+    self._compiled(plan, 'train').lower(self.state, placed).compile()
+    self._compiled(plan, 'eval').lower(self.state, placed).compile()
+    return time.perf_counter() - start
+
+  # -- the loop ----------------------------------------------------------------
+  def train_epoch(self, epoch: int, progress) -> dict:
+    """Runs one epoch; profiles M on live steps when K is new."""
+    plan = self.plan
+    loader = dataclasses.replace(self.train_loader, batch_size=self.batch_size(plan))
+    candidates = self.micro_batch_candidates(plan)
+    chosen = self.profile.get(plan.pipeline_length) if len(candidates) > 1 else candidates[0]
+    trial = [] if chosen in candidates else [m for m in candidates for _ in range(2)]
+    if not trial and chosen != plan.micro_batches:
+      self.log(f'  micro-batches for K={plan.pipeline_length}: M={chosen} (remembered in '
+               f'{self.profile.path})')
+    timings: dict[int, float] = {}
+    start = time.perf_counter()
+    steps = 0
+    for i, (_, batch) in enumerate(loader.epoch(epoch)):
+      if i < len(trial):
+        m = trial[i]
+      else:
+        if chosen not in candidates:
+          chosen, _ = self.profile.choose(plan.pipeline_length, candidates, timings.__getitem__)
+          self.micro_batch_timings[plan.pipeline_length] = dict(timings)
+          self.log(f'  micro-batches for K={plan.pipeline_length}: M={chosen} '
+                   f'(profiled {", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in timings.items())})')
+        m = chosen
+      step_plan = dataclasses.replace(plan, micro_batches=m)
+      fn = self._compiled(step_plan, 'train')
+      t0 = time.perf_counter()
+      self.state = fn(self.state, self._put(batch, step_plan))
+      if i < len(trial) and i % 2 == 1:  # the second step of a candidate is warm
+        jax.block_until_ready(self.state['sums'])
+        timings[m] = time.perf_counter() - t0
+      steps += 1
+      progress.update(1)
+      if steps % 10 == 0:
+        progress.set_postfix(loss=f'{float(self.state["sums"][0]) / steps:.4f}')
+    if chosen not in candidates:  # an epoch shorter than the trial: use what was timed
+      chosen = min(timings, key=timings.get) if timings else candidates[0]
+    self.plan = dataclasses.replace(plan, micro_batches=chosen)
+    sums = np.asarray(self.state['sums'])
+    seconds = time.perf_counter() - start
+    self.state['sums'] = jnp.zeros_like(self.state['sums'])
+    return {'train_loss': float(sums[0] / max(steps, 1)),
+            'train_accuracy': float(sums[1] / max(sums[2], 1)),
+            'epoch_seconds': seconds, 'steps': steps,
+            'samples_per_second': steps * loader.batch_size / seconds}
+
+  def evaluate(self) -> float:
+    """Accuracy on the eval loader with the current plan."""
+    plan = self.plan
+    fn = self._compiled(plan, 'eval')
+    loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(plan))
+    correct = count = 0.0
+    for _, batch in loader.epoch(0):
+      metrics = fn(self.state, self._put(batch, plan))
+      correct += float(metrics['correct'])
+      count += float(metrics['count'])
+    return correct / max(count, 1.0)
+
+  def maybe_transition(self, epoch: int, sample_batch: dict) -> float:
+    """Ends a freeze timestep: decide F, and on a change re-plan, move the
+    state and compile. Returns the seconds spent."""
+    start = time.perf_counter()
+    norms = np.asarray(self.state['layer_norms'])
+    decision = self.policy.decide(norms, step=int(self.state['step']))
+    self.log('  ' + decision.describe() + (
+        f'; norms {np.array2string(norms, precision=3, max_line_width=200)}'
+        if decision.norms is not None else ''))
+    self.state['layer_norms'] = jnp.zeros_like(self.state['layer_norms'])
+    if decision.result == self.plan.partition.num_frozen_layers:
+      return time.perf_counter() - start
+    old = self.plan
+    compress = self.config.freeze.compress
+    k = old.pipeline_length
+    if compress:
+      stage_plan = autopipe.compress(self.costs, decision.result, k, self.initial_length,
+                                     self.config.freeze.lambda_frozen)
+    else:
+      stage_plan = autopipe.partition_for(self.costs, decision.result, k,
+                                          self.config.freeze.lambda_frozen)
+    new_partition = stage_plan.partition
+    known = self.profile.get(new_partition.pipeline_length)
+    new = self._plan(new_partition, known)
+    t0 = time.perf_counter()
+    mesh = self.mesh(new)
+    active = jax.eval_shape(lambda s: part.to_stage_params(
+        part.from_stage_params(s['active'], old.partition, s['frozen']), new_partition),
+        self.state)
+    template = jax.eval_shape(self.optimizer.init, active)
+    self.state = autodp.relayout(self.state, old.partition, new_partition, mesh, template)
+    jax.block_until_ready(self.state)
+    reshard = time.perf_counter() - t0
+    self.plan = new
+    compile_s = self._compile_ahead(new, sample_batch) if known or len(
+        self.micro_batch_candidates(new)) == 1 else 0.0
+    self.transitions.append(Transition(epoch, int(self.state['step']), decision.result,
+                                       old.describe(), new.describe(), reshard, compile_s))
+    self.log(f'  transition: {old.describe()} -> {new.describe()} '
+             f'(reshard {reshard:.2f}s, compile {compile_s:.1f}s)')
+    return time.perf_counter() - start
+
+  def run(self, epochs: int, progress_factory, on_epoch: Callable[[int, dict], None] | None = None
+          ) -> dict:
+    """Trains ``epochs`` epochs; returns the per-epoch rows."""
+    metrics_log = reporting.MetricsLog(self.workdir)
+    run_start = time.perf_counter()
+    transition_seconds = 0.0
+    sample_batch = next(iter(self.train_loader.epoch(0)))[1]
+    for epoch in range(epochs):
+      with progress_factory(epoch, self.steps_per_epoch) as bar:
+        stats = self.train_epoch(epoch, bar)
+      accuracy = self.evaluate()
+      plan = self.plan
+      row = {'epoch': epoch, 'frozen_layers': plan.partition.num_frozen_layers,
+             'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
+             'micro_batches': plan.micro_batches, 'cache': False,
+             'train_loss': stats['train_loss'], 'train_accuracy': stats['train_accuracy'],
+             'eval_accuracy': accuracy, 'epoch_seconds': stats['epoch_seconds'],
+             'samples_per_second': stats['samples_per_second'],
+             'transition_seconds': transition_seconds, 'step': int(self.state['step']),
+             'stage_sizes': list(plan.partition.stage_sizes),
+             'wall_seconds': time.perf_counter() - run_start}
+      metrics_log.append(row)
+      self.log(f'epoch {epoch}: loss {row["train_loss"]:.4f} eval acc {accuracy:.4f} '
+               f'F={row["frozen_layers"]} K={row["pipeline_length"]} R={row["replicas"]} '
+               f'M={row["micro_batches"]} {row["epoch_seconds"]:.1f}s '
+               f'({row["samples_per_second"]:.0f} samples/s)')
+      if on_epoch is not None:
+        on_epoch(epoch, row)
+      transition_seconds = 0.0
+      if epoch + 1 < epochs:
+        transition_seconds = self.maybe_transition(epoch, sample_batch)
+    return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - run_start}
+

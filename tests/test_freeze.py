@@ -1,0 +1,69 @@
+"""The freeze algorithm: Figure 4 curves and hand-computed Eq. 1 cases."""
+import numpy as np
+import pytest
+
+from pipejax import freeze
+
+
+@pytest.mark.parametrize('alpha', [0.1, 0.2, 0.3, 0.5])
+def test_schedule_policy_reproduces_figure_4(alpha):
+  L = 24
+  policy = freeze.FreezePolicy('schedule', L, alpha, min_active_layers=1)
+  got = [0] + [policy.decide(None).result for _ in range(8)]
+  expected = freeze.schedule_curve(L, alpha, 8)
+  # The cap keeps one layer trainable.
+  assert got == [min(x, L - 1) for x in expected]
+  # Spot values read off the paper's curves (L=24): α=0.5 is at 12, 18, 21.
+  if alpha == 0.5:
+    assert got[1:4] == [12, 18, 21]
+  if alpha == 0.1:
+    assert got[1:3] == [2, 4]  # 2.4, 4.56
+
+
+def test_eq1_argmin_smaller_than_bound():
+  policy = freeze.FreezePolicy('pipetransformer', 8, 0.5)
+  # bound = 4; block 1 has the smallest norm → freeze blocks 0..1 → F = 2.
+  d = policy.decide(np.array([5.0, 0.5, 3.0, 0.9, 2.0, 2.0, 2.0, 2.0]))
+  assert (d.bound, d.argmin, d.result) == (2.0, 1, 2)
+  # Next: bound = 2 + 0.5 * 6 = 5; norms of frozen blocks are ignored (block 0
+  # has 0); among active blocks 2..7 the argmin is block 6 → 7, so bound wins.
+  d = policy.decide(np.array([0.0, 0.0, 3.0, 1.0, 2.0, 2.0, 0.1, 2.0]))
+  assert (d.argmin, d.bound, d.result) == (6, 5.0, 5)
+
+
+def test_eq1_bound_smaller_and_cap_and_never_unfreeze():
+  policy = freeze.FreezePolicy('pipetransformer', 4, 0.3, min_active_layers=2)
+  d = policy.decide(np.array([3.0, 2.0, 1.0, 0.5]))  # bound 1.2 → 1; argmin 3 → 4
+  assert (d.result, d.argmin) == (1, 3)
+  d = policy.decide(np.array([9.0, 9.0, 9.0, 0.1]))  # bound 1.2 + 0.3*2.8 = 2.04 → 2
+  assert d.result == 2
+  for _ in range(5):  # capped at L - min_active = 2
+    d = policy.decide(np.array([9.0, 0.0, 9.0, 0.1]))
+    assert d.result == 2
+  assert [h.result for h in policy.state.history] == [1, 2, 2, 2, 2, 2, 2]
+
+
+def test_argmin_at_first_active_layer_freezes_one_more():
+  policy = freeze.FreezePolicy('pipetransformer', 6, 0.5)
+  d = policy.decide(np.array([0.1, 1.0, 1.0, 1.0, 1.0, 1.0]))
+  assert d.result == 1
+
+
+def test_none_policy_and_state_round_trip():
+  policy = freeze.FreezePolicy('none', 6, 0.5)
+  assert policy.decide(None).result == 0
+  p = freeze.FreezePolicy('pipetransformer', 6, 0.5)
+  p.decide(np.arange(6.0)[::-1] + 1)
+  restored = freeze.FreezeState.from_dict(p.state.to_dict())
+  assert restored == p.state
+  assert 'F 0 -> ' in p.state.history[0].describe()
+
+
+@pytest.mark.parametrize('policy,alpha,match', [
+    ('eq1', 0.5, "unknown freeze policy 'eq1'"),
+    ('schedule', 1.0, r'alpha must be in \(0, 1\), got 1.0'),
+    ('schedule', 0.0, r'alpha must be in \(0, 1\), got 0.0'),
+])
+def test_bad_config(policy, alpha, match):
+  with pytest.raises(freeze.FreezeConfigError, match=match):
+    freeze.FreezePolicy(policy, 12, alpha)
