@@ -119,8 +119,10 @@ def run(config, workdir: str | None, task: str) -> dict:
     raise ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another --workdir')
   with config.unlocked():
     config.pipeline.profile_path = os.path.expanduser(config.pipeline.profile_path)
-  train_loader = Loader(data.train, config.train.batch_size, seed=config.seed)
-  eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False)
+  cap = config.train.max_steps_per_epoch
+  train_loader = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
+  eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
+                       max_steps=cap)
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
   _log(f'{mode} run: {data.name}, ViT L={model.num_layers} d={model.hf_config.hidden_size}, '
        f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
@@ -182,4 +184,23 @@ def main(config, workdir: str | None, task: str) -> int:
   return 0
 
 
-__all__ = ['ConfigError', 'main', 'run', 'autodp']
+def cli(config_file: str, task: str) -> int:
+  """Parses ``--config`` (this config file by default, with overrides) and
+  ``--workdir``, then runs; flag errors are one line too."""
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+  try:
+    # Defining the flag already reads the command line (to load the file).
+    config_flags.DEFINE_config_file('config', config_file, 'the run configuration',
+                                    lock_config=True)
+    flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
+    rest = flags.FLAGS(sys.argv)
+  except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    print(f'error: bad command line: {detail} (a config key that does not exist, or a value '
+          f'of the wrong type; see --helpfull)', file=sys.stderr)
+    return 2
+  if len(rest) > 1:
+    print(f'error: unexpected arguments {rest[1:]}', file=sys.stderr)
+    return 2
+  return main(flags.FLAGS.config, flags.FLAGS.workdir, task)

@@ -19,8 +19,6 @@ runtime.setup(8)
 
 # pylint: disable=wrong-import-position
 import ml_collections  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from experiments import elastic  # noqa: E402
 
@@ -52,6 +50,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.learning_rate = 1e-3
   c.train.weight_decay = 0.05
   c.train.warmup_epochs = 1.0
+  c.train.max_steps_per_epoch = 0  # 0: whole epochs; > 0 caps them (smoke runs)
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.initial_length = 8
   c.pipeline.schedule = '1f1b'
@@ -71,15 +70,5 @@ def get_config() -> ml_collections.ConfigDict:
   return c
 
 
-def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  sys.exit(elastic.main(flags.FLAGS.config, flags.FLAGS.workdir, task='vit'))
-
-
 if __name__ == '__main__':
-  # Defined only when run: ml_collections loads this same file for get_config().
-  config_flags.DEFINE_config_file('config', __file__, 'the run configuration',
-                                  lock_config=True)
-  flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
-  app.run(main)
+  sys.exit(elastic.cli(__file__, task='vit'))

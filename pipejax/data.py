@@ -44,8 +44,7 @@ class TfdsSource:
     return len(self.data_source)
 
   def __getitem__(self, ids: np.ndarray) -> Batch:
-    examples = self.data_source.__getitems__([int(i) for i in ids]) if hasattr(
-        self.data_source, '__getitems__') else [self.data_source[int(i)] for i in ids]
+    examples = [self.data_source[int(i)] for i in ids]
     rows = [self.transform(e) for e in examples]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
@@ -62,6 +61,7 @@ class Loader:
     drop_remainder: drop the last partial batch (training); otherwise it is
       padded by repeating IDs, with ``example_mask`` 0 on the padding.
     ids: restrict to these sample IDs (a host's subset in multi-host runs).
+    max_steps: cap on batches per epoch (0: no cap), for smoke runs.
   """
   source: object
   batch_size: int
@@ -69,6 +69,7 @@ class Loader:
   shuffle: bool = True
   drop_remainder: bool = True
   ids: np.ndarray | None = None
+  max_steps: int = 0
 
   def __post_init__(self):
     if self.batch_size < 1:
@@ -80,7 +81,8 @@ class Loader:
 
   def steps_per_epoch(self) -> int:
     n = len(self.ids)
-    return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
+    steps = n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
+    return min(steps, self.max_steps) if self.max_steps else steps
 
   def order(self, epoch: int) -> np.ndarray:
     """The sample IDs of ``epoch`` in the order they will be served."""

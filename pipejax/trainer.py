@@ -98,19 +98,29 @@ class Trainer:
                                                  total, end_value=0.0)
     self.optimizer = optax.adamw(self.lr, weight_decay=c.train.weight_decay)
     self._steps: dict[tuple, Any] = {}
+    self._eval = None
+    self._assemble: dict[part.Partition, Any] = {}
     self.transitions: list[Transition] = []
     self.micro_batch_timings: dict[int, dict[int, float]] = {}
     partition = autopipe.partition_for(self.costs, 0, self.initial_length,
                                        c.freeze.lambda_frozen).partition
-    self.plan = self._plan(partition, micro_batches=None)
+    self.plan = self._plan(partition, micro_batches=None, initial=True)
     self.state = self._init_state(params, self.plan)
 
   # -- plans -------------------------------------------------------------------
-  def _plan(self, partition: part.Partition, micro_batches: int | None) -> pipeline.Plan:
+  def _plan(self, partition: part.Partition, micro_batches: int | None,
+            initial: bool = False) -> pipeline.Plan:
     k = partition.pipeline_length
     replicas = autodp.replicas_for(self.num_devices, k)
     m = micro_batches or self.config.pipeline.micro_batches or k
     plan = pipeline.Plan(partition, replicas, m, self.config.pipeline.schedule)
+    per_replica = self.batch_size(plan) // replicas
+    if not initial and (self.batch_size(plan) % replicas == 0) and per_replica % m:
+      # A fixed M that no longer divides the replica's batch after R grew.
+      fitting = max(d for d in range(1, m + 1) if per_replica % d == 0)
+      self.log(f'  micro-batches: M={m} does not divide the {per_replica} samples per '
+               f'replica at R={replicas}; using M={fitting}')
+      plan = dataclasses.replace(plan, micro_batches=fitting)
     pipeline.check_batch(self.batch_size(plan), plan)
     return plan
 
@@ -120,7 +130,7 @@ class Trainer:
 
   def micro_batch_candidates(self, plan: pipeline.Plan) -> list[int]:
     if self.config.pipeline.micro_batches:
-      return [self.config.pipeline.micro_batches]
+      return [plan.micro_batches]  # fixed by the config (adjusted by _plan if needed)
     per_replica = self.batch_size(plan) // plan.replicas
     return autopipe.micro_batch_candidates(plan.pipeline_length, per_replica)
 
@@ -145,10 +155,15 @@ class Trainer:
     return jax.jit(init, out_shardings=autodp.state_shardings(shapes, self.mesh(plan)))(params)
 
   def canonical_params(self) -> Params:
-    """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
+    """The current parameters in the canonical tree, replicated on every
+    device (``model.to_hf`` gives HF's tree)."""
     partition = self.plan.partition
-    return jax.jit(lambda s: part.from_stage_params(s['active'], partition, s['frozen']))(
-        self.state)
+    if partition not in self._assemble:
+      flat = Mesh(np.array(self.devices), ('batch',))
+      self._assemble[partition] = jax.jit(
+          lambda s: part.from_stage_params(s['active'], partition, s['frozen']),
+          out_shardings=NamedSharding(flat, P()))
+    return self._assemble[partition](self.state)
 
   # -- compiled steps ------------------------------------------------------------
   def _feed(self, frozen, batch, partition: part.Partition, mesh: Mesh):
@@ -187,14 +202,7 @@ class Trainer:
       shardings = autodp.state_shardings(jax.eval_shape(lambda s: s, self.state), mesh)
       fn = jax.jit(step, donate_argnums=0, out_shardings=shardings)
     else:
-      evaluate = self.pipe.eval_fn(plan, active_shapes).jitted
-
-      def eval_step(state, batch):
-        feed = self._feed(state['frozen'], batch, partition, mesh)
-        _, metrics = evaluate(state['active'], feed, jax.random.PRNGKey(0))
-        return metrics
-
-      fn = jax.jit(eval_step)
+      raise ValueError(kind)
     self._steps[key] = fn
     return fn
 
@@ -208,7 +216,6 @@ class Trainer:
     start = time.perf_counter()
     placed = self._put(batch, plan)
     self._compiled(plan, 'train').lower(self.state, placed).compile()
-    self._compiled(plan, 'eval').lower(self.state, placed).compile()
     return time.perf_counter() - start
 
   # -- the loop ----------------------------------------------------------------
@@ -247,7 +254,9 @@ class Trainer:
       if steps % 10 == 0:
         progress.set_postfix(loss=f'{float(self.state["sums"][0]) / steps:.4f}')
     if chosen not in candidates:  # an epoch shorter than the trial: use what was timed
-      chosen = min(timings, key=timings.get) if timings else candidates[0]
+      timed = [m for m in candidates if m in timings]
+      chosen = (self.profile.choose(plan.pipeline_length, timed, timings.__getitem__)[0]
+                if timed else candidates[0])
     self.plan = dataclasses.replace(plan, micro_batches=chosen)
     sums = np.asarray(self.state['sums'])
     seconds = time.perf_counter() - start
@@ -258,13 +267,21 @@ class Trainer:
             'samples_per_second': steps * loader.batch_size / seconds}
 
   def evaluate(self) -> float:
-    """Accuracy on the eval loader with the current plan."""
-    plan = self.plan
-    fn = self._compiled(plan, 'eval')
-    loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(plan))
+    """Accuracy on the eval loader.
+
+    Evaluation runs the canonical parameters data-parallel over all devices
+    (one compiled function for the whole run, whatever the plan), so a
+    transition never pays for compiling an evaluation step.
+    """
+    flat = Mesh(np.array(self.devices), ('batch',))
+    if self._eval is None:
+      self._eval = jax.jit(lambda p, b: self.model.loss(p, b)[1],
+                           in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))))
+    params = self.canonical_params()
+    loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
     correct = count = 0.0
     for _, batch in loader.epoch(0):
-      metrics = fn(self.state, self._put(batch, plan))
+      metrics = self._eval(params, jax.device_put(batch, NamedSharding(flat, P('batch'))))
       correct += float(metrics['correct'])
       count += float(metrics['count'])
     return correct / max(count, 1.0)

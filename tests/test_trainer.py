@@ -1,0 +1,140 @@
+"""Trainer: frozen weights stay bit-identical, transitions keep training state,
+per-layer gradient norms, and the elastic run end to end."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from pipejax import autodp
+from pipejax import partition as part
+from pipejax.data import ArraySource, Loader
+from pipejax.trainer import Trainer, layer_grad_norms
+from tests import fixtures
+
+
+def _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=2):
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.train = dict(epochs=epochs, batch_size=16, batch_mode='constant', learning_rate=1e-2,
+                 weight_decay=0.1, warmup_epochs=0.0)
+  c.pipeline = dict(initial_length=initial_length, schedule='1f1b',
+                    micro_batches=micro_batches, profile_path='')
+  c.freeze = dict(policy=policy, alpha=alpha, min_active_layers=1, lambda_frozen=1 / 6,
+                  compress=True)
+  return c
+
+
+def _trainer(config, num_layers=4, samples=64):
+  created = fixtures.tiny('vit', num_layers=num_layers)
+  data = fixtures.batch('vit', created.model, samples, seed=4)
+  loader = Loader(ArraySource(data), config.train.batch_size, seed=0)
+  evals = Loader(ArraySource(data), config.train.batch_size, shuffle=False,
+                 drop_remainder=False)
+  return Trainer(created.model, created.params, config, '/nonexistent', loader, evals,
+                 log=lambda _: None), data
+
+
+class _Bar:
+  def update(self, n):
+    pass
+
+  def set_postfix(self, **_):
+    pass
+
+
+def _bits(tree):
+  return [np.asarray(x).view(np.uint32).copy() for x in jax.tree.leaves(tree)]
+
+
+def test_frozen_parameters_bit_identical_after_adamw_steps():
+  trainer, data = _trainer(_config())
+  trainer.train_epoch(0, _Bar())
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  # Force a freeze of 2 blocks (schedule policy, α=0.5, L=4 → F=2).
+  trainer.maybe_transition(0, sample)
+  assert trainer.plan.partition.num_frozen_layers == 2
+  frozen_before = _bits(trainer.state['frozen'])
+  active_before = _bits(trainer.state['active'])
+  canonical_before = trainer.canonical_params()
+  for epoch in (1, 2, 3):
+    trainer.train_epoch(epoch, _Bar())
+  assert _bits(trainer.state['frozen']) != [] and all(
+      np.array_equal(a, b) for a, b in zip(_bits(trainer.state['frozen']), frozen_before))
+  assert not all(np.array_equal(a, b) for a, b in zip(_bits(trainer.state['active']),
+                                                      active_before))
+  after = trainer.canonical_params()
+  for key in ('attention', 'mlp'):
+    for a, b in zip(jax.tree.leaves(after[key]), jax.tree.leaves(canonical_before[key])):
+      np.testing.assert_array_equal(np.asarray(a)[:2], np.asarray(b)[:2])
+      assert not np.array_equal(np.asarray(a)[2:], np.asarray(b)[2:])
+  np.testing.assert_array_equal(after['embed']['cls_token'], canonical_before['embed']['cls_token'])
+
+
+def _canonical_moments(trainer):
+  adam = trainer.state['opt'][0]
+  zeros = jax.tree.map(jnp.zeros_like, trainer.state['frozen'])
+  partition = trainer.plan.partition
+  return (part.from_stage_params(adam.mu, partition, zeros),
+          part.from_stage_params(adam.nu, partition, zeros), adam.count)
+
+
+def test_transition_keeps_moments_step_rng_and_head():
+  trainer, _ = _trainer(_config(alpha=0.75, initial_length=8, micro_batches=8))
+  trainer.train_epoch(0, _Bar())
+  mu, nu, count = _canonical_moments(trainer)
+  params = trainer.canonical_params()
+  step, rng = int(trainer.state['step']), np.asarray(trainer.state['rng'])
+  old_plan = trainer.plan
+  trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
+  new_plan = trainer.plan
+  assert new_plan.partition.num_frozen_layers == 3 and new_plan.pipeline_length < 8
+  assert new_plan.replicas == 8 // new_plan.pipeline_length
+  assert old_plan.partition != new_plan.partition
+  mu2, nu2, count2 = _canonical_moments(trainer)
+  assert int(count2) == int(count) and int(trainer.state['step']) == step
+  np.testing.assert_array_equal(np.asarray(trainer.state['rng']), rng)
+  for new, old in ((mu2, mu), (nu2, nu)):
+    for key in ('attention', 'mlp'):
+      for a, b in zip(jax.tree.leaves(new[key]), jax.tree.leaves(old[key])):
+        np.testing.assert_array_equal(np.asarray(a)[3:], np.asarray(b)[3:])
+    for a, b in zip(jax.tree.leaves(new['head']), jax.tree.leaves(old['head'])):
+      np.testing.assert_array_equal(a, b)
+  assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(mu2['head']))
+  after = trainer.canonical_params()
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)  # the move itself changes no weight
+  # The state now lives on the new mesh.
+  leaf = jax.tree.leaves(trainer.state['active']['attention'])[0]
+  assert leaf.sharding.mesh.shape == {'data': new_plan.replicas,
+                                      'stage': new_plan.pipeline_length}
+  trainer.train_epoch(1, _Bar())  # and training goes on
+
+
+def test_layer_grad_norms_match_canonical_reference():
+  created = fixtures.tiny('bert-classification', num_layers=4)
+  model, params = created.model, created.params
+  partition = part.Partition(4, 0, (2, 3, 3, 2))
+  batch = fixtures.batch('bert-classification', model, 8)
+  grads = jax.grad(lambda p: model.loss(p, batch)[0])(params)
+  staged = part.to_stage_params(grads, partition)
+  got = np.asarray(layer_grad_norms(staged, partition))
+  ref = [np.sqrt(sum(float(jnp.sum(g[i] ** 2)) for g in jax.tree.leaves(grads['attention']))
+                 + sum(float(jnp.sum(g[i] ** 2)) for g in jax.tree.leaves(grads['mlp'])))
+         for i in range(4)]
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_policy_none_is_a_static_pipeline():
+  trainer, _ = _trainer(_config(policy='none', initial_length=8, micro_batches=8))
+  plan = trainer.plan
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
+  assert trainer.plan == plan and trainer.transitions == []
+
+
+def test_global_batch_modes():
+  assert autodp.global_batch_size(64, 4, 'constant') == 64
+  assert autodp.global_batch_size(64, 4, 'per_pipeline') == 256
+  with pytest.raises(ValueError, match="unknown batch mode 'x'"):
+    autodp.global_batch_size(64, 4, 'x')

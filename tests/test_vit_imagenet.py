@@ -1,0 +1,97 @@
+"""The main job: default config smoke run, the ImageNet path on mocked TFDS
+data, and one-line errors for bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import elastic, vit_imagenet
+
+ROWS = ('epoch', 'frozen_layers', 'pipeline_length', 'replicas', 'micro_batches', 'cache',
+        'train_loss', 'eval_accuracy', 'epoch_seconds', 'samples_per_second',
+        'transition_seconds')
+
+
+def _config(tmp_path, **overrides):
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.train.epochs = 2
+    config.train.max_steps_per_epoch = 3
+    config.pipeline.profile_path = str(tmp_path / 'profile.json')
+    config.freeze.policy = 'schedule'
+    config.freeze.alpha = 0.5
+    for key, value in overrides.items():
+      node = config
+      *path, leaf = key.split('.')
+      for p in path:
+        node = node[p]
+      node[leaf] = value
+  return config
+
+
+def _check_outputs(workdir, epochs):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  assert len(rows) == epochs
+  for row in rows:
+    assert set(ROWS) <= set(row)
+    assert np.isfinite(row['train_loss'])
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
+  for key in ('mode', 'config', 'total_seconds', 'final_eval_accuracy', 'best_eval_accuracy',
+              'transitions'):
+    assert key in summary
+  assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
+  assert os.listdir(os.path.join(workdir, 'checkpoints'))
+  return rows, summary
+
+
+def test_default_config_smoke(tmp_path):
+  workdir = str(tmp_path / 'run')
+  summary = elastic.run(_config(tmp_path, **{'data.name': 'digits'}), workdir, task='vit')
+  rows, saved = _check_outputs(workdir, 2)
+  assert rows[0]['pipeline_length'] == 8 and rows[0]['frozen_layers'] == 0
+  # α = 0.5 on 12 layers freezes 6 after the first epoch.
+  assert rows[1]['frozen_layers'] == 6
+  assert saved['transitions'] and saved['transitions'][0]['frozen_layers'] == 6
+  assert summary['mode'] == 'elastic'
+  # Every plan's micro-batch count was profiled and remembered.
+  with open(tmp_path / 'profile.json') as f:
+    assert json.load(f)
+
+
+def test_imagenet_path_on_mock_tfds(tmp_path):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
+                                'model.preset': 'custom', 'model.num_layers': 4,
+                                'model.hidden_size': 32, 'model.intermediate_size': 64,
+                                'pipeline.initial_length': 4, 'train.batch_size': 16,
+                                'pipeline.micro_batches': 4})
+  workdir = str(tmp_path / 'imagenet')
+  with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
+    summary = elastic.run(config, workdir, task='vit')
+  assert summary['data'] == 'imagenet2012'
+  rows, _ = _check_outputs(workdir, 2)
+  assert rows[1]['frozen_layers'] == 2
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--config.freeze.alpha=1.5'], 'alpha must be in (0, 1), got 1.5'),
+    (['--config.freeze.policy=eq1'], "unknown freeze policy 'eq1'"),
+    (['--config.pipeline.initial_length=3'], 'initial_length=3 does not divide the 8 devices'),
+    (['--config.train.batch_size=60'], 'batch size 60 is not divisible'),
+    (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
+     'imagenet2012 is not prepared'),
+    (['--config.train.no_such_key=1'], 'no_such_key'),
+])
+def test_bad_input_is_one_line(tmp_path, args, message):
+  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                        f'--workdir={tmp_path / "w"}',
+                        f'--config.pipeline.profile_path={tmp_path / "p.json"}', *args],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert message in out.stderr
+  assert 'Traceback' not in out.stderr + out.stdout
