@@ -132,9 +132,9 @@ def run(config, workdir: str | None, task: str) -> dict:
   ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
       config.checkpoint.enabled) else None
 
-  def on_epoch(epoch, row):
+  def on_epoch(epoch, row, portable):
     if ckpt is not None:
-      ckpt.save(row['step'], trainer.state, {
+      ckpt.save(row['step'], portable, {
           'epoch': epoch, 'plan': trainer.plan.describe(),
           'stage_sizes': list(trainer.plan.partition.stage_sizes),
           'frozen_layers': trainer.plan.partition.num_frozen_layers,

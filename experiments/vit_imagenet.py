@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.freeze.min_active_layers = 1
   c.freeze.lambda_frozen = 1 / 6
   c.freeze.compress = True
+  c.freeze.compile_ahead = True  # compile the predicted next plan while training
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.enabled = True
   c.checkpoint.keep = 2

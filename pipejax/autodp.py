@@ -89,20 +89,23 @@ def state_shardings(state_shapes: dict, mesh: Mesh) -> dict:
   return out
 
 
-def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
-             opt_template) -> dict:
-  """Moves a trainer state from partition ``old`` to ``new`` on ``mesh``.
+def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
+                optimizer_init):
+  """The jitted move of a trainer state from partition ``old`` to ``new``.
 
   Args:
-    state: ``{'frozen', 'active', 'opt', ...}``; ``frozen`` is the frozen
-      prefix (:func:`pipejax.partition.frozen_prefix`), ``active`` the stage
-      layout of ``old``, ``opt`` the optimizer state of ``active``.
+    state_shapes: the state (or its ``jax.eval_shape``): ``{'frozen',
+      'active', 'opt', ...}``; ``frozen`` is the frozen prefix
+      (:func:`pipejax.partition.frozen_prefix`), ``active`` the stage layout of
+      ``old``, ``opt`` the optimizer state of ``active``.
     old, new: the partitions; ``new`` may freeze more blocks, never fewer.
     mesh: the new mesh.
-    opt_template: ``jax.eval_shape(optimizer.init, new_active)``.
+    optimizer_init: the optimizer's ``init`` (gives the new state's structure).
 
   Returns:
-    The state laid out for ``new`` and sharded on ``mesh``.
+    ``(move, new_shapes)``: ``move(state)`` returns the state laid out for
+    ``new`` and sharded on ``mesh``; ``new_shapes`` are its
+    ``ShapeDtypeStruct``\ s with shardings (to compile the next step ahead).
   """
   if new.num_frozen_layers < old.num_frozen_layers:
     raise ValueError(f'cannot unfreeze: {old.num_frozen_layers} -> {new.num_frozen_layers}')
@@ -118,8 +121,19 @@ def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
       full = part.from_stage_params(tree, old, zero_prefix)
       return part.to_stage_params(full, new)
 
-    out['opt'] = map_param_trees(moment, state['opt'], opt_template)
+    template = jax.eval_shape(optimizer_init, out['active'])
+    out['opt'] = map_param_trees(moment, state['opt'], template)
     return out
 
-  shapes = jax.eval_shape(move, state)
-  return jax.jit(move, out_shardings=state_shardings(shapes, mesh))(state)
+  shapes = jax.eval_shape(move, state_shapes)
+  shardings = state_shardings(shapes, mesh)
+  new_shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+  return jax.jit(move, out_shardings=shardings), new_shapes
+
+
+def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
+             optimizer_init) -> dict:
+  """Moves ``state`` from ``old`` to ``new`` on ``mesh`` (see :func:`relayout_fn`)."""
+  move, _ = relayout_fn(state, old, new, mesh, optimizer_init)
+  return move(state)

@@ -22,12 +22,9 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Starts saving ``state`` and ``meta`` as checkpoint ``step``.
-
-    Zero-size arrays (the frozen stacks while nothing is frozen) are left out;
-    orbax cannot store them and ``meta`` says how many layers are frozen.
-    """
-    state = _without_empty(state)
+    """Starts saving ``state`` (a layout-free tree, see
+    :meth:`pipejax.trainer.Trainer.portable_state`) and ``meta`` as checkpoint
+    ``step``."""
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)))
 
@@ -36,10 +33,3 @@ class Checkpoints:
     self.manager.wait_until_finished()
     self.manager.close()
 
-
-def _without_empty(tree: Any) -> Any:
-  if isinstance(tree, dict):
-    out = {k: _without_empty(v) for k, v in tree.items()}
-    return {k: v for k, v in out.items() if not (isinstance(v, dict) and not v)
-            and getattr(v, 'size', 1) != 0}
-  return tree

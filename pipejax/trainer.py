@@ -12,7 +12,9 @@ decay, no update ever touches them.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
@@ -40,6 +42,7 @@ class Transition:
   new: str
   reshard_seconds: float
   compile_seconds: float
+  compiled_ahead: bool
 
 
 def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
@@ -55,6 +58,11 @@ def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
   per_layer = jnp.zeros(partition.num_layers, jnp.float32).at[t.layer.reshape(-1)].add(
       sq.reshape(-1))
   return jnp.sqrt(per_layer)
+
+
+def _zeros_like(x: jax.Array) -> jax.Array:
+  """Zeros with ``x``'s sharding (compiled steps insist on their shardings)."""
+  return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
 
 
 class Trainer:
@@ -99,11 +107,15 @@ class Trainer:
     self.optimizer = optax.adamw(self.lr, weight_decay=c.train.weight_decay)
     self._steps: dict[tuple, Any] = {}
     self._eval = None
-    self._assemble: dict[part.Partition, Any] = {}
+    self._executables: dict[pipeline.Plan, Any] = {}
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._ahead = None
+    self._portable: dict[part.Partition, Any] = {}
     self.transitions: list[Transition] = []
     self.micro_batch_timings: dict[int, dict[int, float]] = {}
     partition = autopipe.partition_for(self.costs, 0, self.initial_length,
                                        c.freeze.lambda_frozen).partition
+    self._param_shapes = jax.eval_shape(lambda: params)
     self.plan = self._plan(partition, micro_batches=None, initial=True)
     self.state = self._init_state(params, self.plan)
 
@@ -138,9 +150,8 @@ class Trainer:
     return pipeline.make_mesh(plan.pipeline_length, self.devices)
 
   # -- state -------------------------------------------------------------------
-  def _init_state(self, params: Params, plan: pipeline.Plan) -> dict:
-    partition = plan.partition
-
+  def _init_fn(self, partition: part.Partition):
+    """``params -> state`` for ``partition`` (also gives any plan's state shapes)."""
     def init(params):
       active = part.to_stage_params(params, partition)
       return {'step': jnp.zeros((), jnp.int32),
@@ -150,20 +161,40 @@ class Trainer:
               'rng': jax.random.PRNGKey(self.config.seed + 1),
               'layer_norms': jnp.zeros(self.model.num_layers, jnp.float32),
               'sums': jnp.zeros(3, jnp.float32)}
+    return init
 
-    shapes = jax.eval_shape(init, params)
-    return jax.jit(init, out_shardings=autodp.state_shardings(shapes, self.mesh(plan)))(params)
+  def _state_shapes(self, partition: part.Partition) -> dict:
+    return jax.eval_shape(self._init_fn(partition), self._param_shapes)
+
+  def _init_state(self, params: Params, plan: pipeline.Plan) -> dict:
+    init = self._init_fn(plan.partition)
+    shardings = autodp.state_shardings(self._state_shapes(plan.partition), self.mesh(plan))
+    return jax.jit(init, out_shardings=shardings)(params)
+
+  def portable_state(self) -> dict:
+    """The state in the canonical layout, replicated on every device:
+    ``{'params', 'opt', 'step', 'rng'}`` with the optimizer moments as
+    canonical trees (zero for frozen blocks). Its structure is the same for
+    every plan, so checkpoints are layout-free and cheap to write."""
+    return self._portable_fn(self.plan.partition)(self.state)
+
+  def _portable_fn(self, partition: part.Partition):
+    if partition not in self._portable:
+      flat = Mesh(np.array(self.devices), ('batch',))
+
+      def portable(s):
+        zeros = jax.tree.map(jnp.zeros_like, s['frozen'])
+        return {'params': part.from_stage_params(s['active'], partition, s['frozen']),
+                'opt': autodp.map_param_trees(
+                    lambda t: part.from_stage_params(t, partition, zeros), s['opt']),
+                'step': s['step'], 'rng': s['rng']}
+
+      self._portable[partition] = jax.jit(portable, out_shardings=NamedSharding(flat, P()))
+    return self._portable[partition]
 
   def canonical_params(self) -> Params:
-    """The current parameters in the canonical tree, replicated on every
-    device (``model.to_hf`` gives HF's tree)."""
-    partition = self.plan.partition
-    if partition not in self._assemble:
-      flat = Mesh(np.array(self.devices), ('batch',))
-      self._assemble[partition] = jax.jit(
-          lambda s: part.from_stage_params(s['active'], partition, s['frozen']),
-          out_shardings=NamedSharding(flat, P()))
-    return self._assemble[partition](self.state)
+    """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
+    return self.portable_state()['params']
 
   # -- compiled steps ------------------------------------------------------------
   def _feed(self, frozen, batch, partition: part.Partition, mesh: Mesh):
@@ -184,7 +215,8 @@ class Trainer:
       return self._steps[key]
     mesh = self.mesh(plan)
     partition = plan.partition
-    active_shapes = jax.eval_shape(lambda s: s['active'], self.state)
+    state_shapes = self._state_shapes(partition)
+    active_shapes = state_shapes['active']
     if kind == 'train':
       grad = self.pipe.grad_fn(plan, active_shapes, train=True).jitted
 
@@ -199,7 +231,7 @@ class Trainer:
                 'sums': state['sums'] + jnp.stack([loss, metrics['correct'],
                                                    metrics['count']])}
 
-      shardings = autodp.state_shardings(jax.eval_shape(lambda s: s, self.state), mesh)
+      shardings = autodp.state_shardings(state_shapes, mesh)
       fn = jax.jit(step, donate_argnums=0, out_shardings=shardings)
     else:
       raise ValueError(kind)
@@ -210,13 +242,6 @@ class Trainer:
     mesh = self.mesh(plan)
     axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
     return jax.device_put(batch, NamedSharding(mesh, P(axes)))
-
-  def _compile_ahead(self, plan: pipeline.Plan, batch: dict) -> float:
-    """Compiles the train and eval steps of ``plan``; returns seconds."""
-    start = time.perf_counter()
-    placed = self._put(batch, plan)
-    self._compiled(plan, 'train').lower(self.state, placed).compile()
-    return time.perf_counter() - start
 
   # -- the loop ----------------------------------------------------------------
   def train_epoch(self, epoch: int, progress) -> dict:
@@ -243,7 +268,7 @@ class Trainer:
                    f'(profiled {", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in timings.items())})')
         m = chosen
       step_plan = dataclasses.replace(plan, micro_batches=m)
-      fn = self._compiled(step_plan, 'train')
+      fn = self._executables.get(step_plan) or self._compiled(step_plan, 'train')
       t0 = time.perf_counter()
       self.state = fn(self.state, self._put(batch, step_plan))
       if i < len(trial) and i % 2 == 1:  # the second step of a candidate is warm
@@ -260,13 +285,13 @@ class Trainer:
     self.plan = dataclasses.replace(plan, micro_batches=chosen)
     sums = np.asarray(self.state['sums'])
     seconds = time.perf_counter() - start
-    self.state['sums'] = jnp.zeros_like(self.state['sums'])
+    self.state['sums'] = _zeros_like(self.state['sums'])
     return {'train_loss': float(sums[0] / max(steps, 1)),
             'train_accuracy': float(sums[1] / max(sums[2], 1)),
             'epoch_seconds': seconds, 'steps': steps,
             'samples_per_second': steps * loader.batch_size / seconds}
 
-  def evaluate(self) -> float:
+  def evaluate(self, params: Params | None = None) -> float:
     """Accuracy on the eval loader.
 
     Evaluation runs the canonical parameters data-parallel over all devices
@@ -277,7 +302,7 @@ class Trainer:
     if self._eval is None:
       self._eval = jax.jit(lambda p, b: self.model.loss(p, b)[1],
                            in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))))
-    params = self.canonical_params()
+    params = self.canonical_params() if params is None else params
     loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
     correct = count = 0.0
     for _, batch in loader.epoch(0):
@@ -286,59 +311,117 @@ class Trainer:
       count += float(metrics['count'])
     return correct / max(count, 1.0)
 
+  def _partition_after(self, num_frozen: int) -> part.Partition:
+    """AutoPipe's partition once ``num_frozen`` blocks are frozen."""
+    c = self.config.freeze
+    k = self.plan.pipeline_length
+    if c.compress:
+      return autopipe.compress(self.costs, num_frozen, k, self.initial_length,
+                               c.lambda_frozen).partition
+    return autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
+
+  def _abstract_batch(self, plan: pipeline.Plan, sample_batch: dict) -> dict:
+    axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
+    sharding = NamedSharding(self.mesh(plan), P(axes))
+    size = self.batch_size(plan)
+    return {k: jax.ShapeDtypeStruct((size,) + np.shape(v)[1:], np.asarray(v).dtype,
+                                    sharding=sharding) for k, v in sample_batch.items()}
+
+  def _prepare(self, old: part.Partition, new: part.Partition, plans: list[pipeline.Plan],
+               state_shapes: dict, sample_batch: dict):
+    """Compiles the move to ``new`` and the train steps of ``plans``."""
+    start = time.perf_counter()
+    move, new_shapes = autodp.relayout_fn(state_shapes, old, new, self.mesh(plans[0]),
+                                          self.optimizer.init)
+    move = move.lower(state_shapes).compile()
+    steps = {plan: self._compiled(plan, 'train').lower(
+        new_shapes, self._abstract_batch(plan, sample_batch)).compile() for plan in plans}
+    self._portable_fn(new).lower(new_shapes).compile()  # warms the persistent cache
+    return move, steps, time.perf_counter() - start
+
+  def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:
+    """The plans a partition may run: the remembered M, or every candidate M."""
+    plan = self._plan(partition, self.profile.get(partition.pipeline_length))
+    if self.profile.get(partition.pipeline_length) is not None:
+      return [plan]
+    return [dataclasses.replace(plan, micro_batches=m) for m in self.micro_batch_candidates(plan)]
+
+  def prepare_next(self, sample_batch: dict) -> None:
+    """Starts compiling, in the background, the plan that the freeze bound
+    predicts for the end of this timestep (the α term of Eq. 1; the argmin
+    term can only freeze less, which then compiles at the transition)."""
+    if self.config.freeze.policy == 'none' or not self.config.freeze.compile_ahead:
+      return
+    s, p = self.policy.state, self.policy
+    bound = s.bound + p.alpha * (p.num_layers - s.bound)
+    predicted = max(min(math.floor(bound + 1e-9), p.cap), s.num_frozen_layers)
+    if predicted == s.num_frozen_layers:
+      return
+    old = self.plan.partition
+    new = self._partition_after(predicted)
+    plans = self._candidate_plans(new)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          self.state)
+    self._ahead = (old, new, self._pool.submit(self._prepare, old, new, plans, shapes,
+                                               sample_batch))
+
   def maybe_transition(self, epoch: int, sample_batch: dict) -> float:
     """Ends a freeze timestep: decide F, and on a change re-plan, move the
-    state and compile. Returns the seconds spent."""
+    state and compile (or take what :meth:`prepare_next` compiled). Returns the
+    seconds spent."""
     start = time.perf_counter()
     norms = np.asarray(self.state['layer_norms'])
     decision = self.policy.decide(norms, step=int(self.state['step']))
     self.log('  ' + decision.describe() + (
         f'; norms {np.array2string(norms, precision=3, max_line_width=200)}'
         if decision.norms is not None else ''))
-    self.state['layer_norms'] = jnp.zeros_like(self.state['layer_norms'])
+    self.state['layer_norms'] = _zeros_like(self.state['layer_norms'])
+    ahead, self._ahead = self._ahead, None
     if decision.result == self.plan.partition.num_frozen_layers:
       return time.perf_counter() - start
     old = self.plan
-    compress = self.config.freeze.compress
-    k = old.pipeline_length
-    if compress:
-      stage_plan = autopipe.compress(self.costs, decision.result, k, self.initial_length,
-                                     self.config.freeze.lambda_frozen)
-    else:
-      stage_plan = autopipe.partition_for(self.costs, decision.result, k,
-                                          self.config.freeze.lambda_frozen)
-    new_partition = stage_plan.partition
-    known = self.profile.get(new_partition.pipeline_length)
-    new = self._plan(new_partition, known)
+    new_partition = self._partition_after(decision.result)
+    plans = self._candidate_plans(new_partition)
+    ahead_used = ahead is not None and ahead[:2] == (old.partition, new_partition)
     t0 = time.perf_counter()
-    mesh = self.mesh(new)
-    active = jax.eval_shape(lambda s: part.to_stage_params(
-        part.from_stage_params(s['active'], old.partition, s['frozen']), new_partition),
-        self.state)
-    template = jax.eval_shape(self.optimizer.init, active)
-    self.state = autodp.relayout(self.state, old.partition, new_partition, mesh, template)
+    if ahead_used:
+      move, steps, _ = ahead[2].result()  # waits only for what is still compiling
+    else:
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), self.state)
+      move, steps, _ = self._prepare(old.partition, new_partition, plans, shapes, sample_batch)
+    compile_s = time.perf_counter() - t0
+    self._executables.update(steps)
+    t0 = time.perf_counter()
+    self.state = move(self.state)
     jax.block_until_ready(self.state)
     reshard = time.perf_counter() - t0
-    self.plan = new
-    compile_s = self._compile_ahead(new, sample_batch) if known or len(
-        self.micro_batch_candidates(new)) == 1 else 0.0
+    self.plan = plans[0]
+    new = self.plan
     self.transitions.append(Transition(epoch, int(self.state['step']), decision.result,
-                                       old.describe(), new.describe(), reshard, compile_s))
-    self.log(f'  transition: {old.describe()} -> {new.describe()} '
-             f'(reshard {reshard:.2f}s, compile {compile_s:.1f}s)')
+                                       old.describe(), new.describe(), reshard, compile_s,
+                                       ahead_used))
+    self.log(f'  transition: {old.describe()} -> {new.describe()} (reshard {reshard:.2f}s, '
+             f'compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')
     return time.perf_counter() - start
 
-  def run(self, epochs: int, progress_factory, on_epoch: Callable[[int, dict], None] | None = None
-          ) -> dict:
-    """Trains ``epochs`` epochs; returns the per-epoch rows."""
+  def run(self, epochs: int, progress_factory,
+          on_epoch: Callable[[int, dict, dict], None] | None = None) -> dict:
+    """Trains ``epochs`` epochs; returns the per-epoch rows. ``on_epoch(epoch,
+    row, portable_state)`` runs after each epoch (checkpointing)."""
     metrics_log = reporting.MetricsLog(self.workdir)
     run_start = time.perf_counter()
     transition_seconds = 0.0
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     for epoch in range(epochs):
+      if epoch + 1 < epochs:
+        self.prepare_next(sample_batch)
       with progress_factory(epoch, self.steps_per_epoch) as bar:
         stats = self.train_epoch(epoch, bar)
-      accuracy = self.evaluate()
+      t0 = time.perf_counter()
+      portable = self.portable_state()
+      accuracy = self.evaluate(portable['params'])
+      eval_seconds = time.perf_counter() - t0
       plan = self.plan
       row = {'epoch': epoch, 'frozen_layers': plan.partition.num_frozen_layers,
              'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
@@ -346,16 +429,18 @@ class Trainer:
              'train_loss': stats['train_loss'], 'train_accuracy': stats['train_accuracy'],
              'eval_accuracy': accuracy, 'epoch_seconds': stats['epoch_seconds'],
              'samples_per_second': stats['samples_per_second'],
-             'transition_seconds': transition_seconds, 'step': int(self.state['step']),
-             'stage_sizes': list(plan.partition.stage_sizes),
-             'wall_seconds': time.perf_counter() - run_start}
+             'transition_seconds': transition_seconds, 'eval_seconds': eval_seconds,
+             'step': int(self.state['step']), 'stage_sizes': list(plan.partition.stage_sizes)}
+      t0 = time.perf_counter()
+      if on_epoch is not None:
+        on_epoch(epoch, row, portable)  # checkpoints
+      row['checkpoint_seconds'] = time.perf_counter() - t0
+      row['wall_seconds'] = time.perf_counter() - run_start
       metrics_log.append(row)
       self.log(f'epoch {epoch}: loss {row["train_loss"]:.4f} eval acc {accuracy:.4f} '
                f'F={row["frozen_layers"]} K={row["pipeline_length"]} R={row["replicas"]} '
                f'M={row["micro_batches"]} {row["epoch_seconds"]:.1f}s '
                f'({row["samples_per_second"]:.0f} samples/s)')
-      if on_epoch is not None:
-        on_epoch(epoch, row)
       transition_seconds = 0.0
       if epoch + 1 < epochs:
         transition_seconds = self.maybe_transition(epoch, sample_batch)
