@@ -209,33 +209,27 @@ class Trainer:
     keep = self.model.block_keys + self.model.label_keys + ('example_mask',)
     return {'hidden': hidden, **{k: batch[k] for k in keep if k in batch}}
 
-  def _compiled(self, plan: pipeline.Plan, kind: str):
-    key = (plan, kind)
-    if key in self._steps:
-      return self._steps[key]
+  def _train_step(self, plan: pipeline.Plan):
+    """The jitted train step of ``plan`` (cached; donates the state)."""
+    if plan in self._steps:
+      return self._steps[plan]
     mesh = self.mesh(plan)
     partition = plan.partition
     state_shapes = self._state_shapes(partition)
-    active_shapes = state_shapes['active']
-    if kind == 'train':
-      grad = self.pipe.grad_fn(plan, active_shapes, train=True).jitted
+    grad = self.pipe.grad_fn(plan, state_shapes['active'], train=True).jitted
 
-      def step(state, batch):
-        rng, step_rng = jax.random.split(state['rng'])
-        feed = self._feed(state['frozen'], batch, partition, mesh)
-        loss, metrics, grads = grad(state['active'], feed, step_rng)
-        updates, opt = self.optimizer.update(grads, state['opt'], state['active'])
-        return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
-                'active': optax.apply_updates(state['active'], updates),
-                'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition),
-                'sums': state['sums'] + jnp.stack([loss, metrics['correct'],
-                                                   metrics['count']])}
+    def step(state, batch):
+      rng, step_rng = jax.random.split(state['rng'])
+      feed = self._feed(state['frozen'], batch, partition, mesh)
+      loss, metrics, grads = grad(state['active'], feed, step_rng)
+      updates, opt = self.optimizer.update(grads, state['opt'], state['active'])
+      return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
+              'active': optax.apply_updates(state['active'], updates),
+              'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition),
+              'sums': state['sums'] + jnp.stack([loss, metrics['correct'], metrics['count']])}
 
-      shardings = autodp.state_shardings(state_shapes, mesh)
-      fn = jax.jit(step, donate_argnums=0, out_shardings=shardings)
-    else:
-      raise ValueError(kind)
-    self._steps[key] = fn
+    fn = jax.jit(step, donate_argnums=0, out_shardings=autodp.state_shardings(state_shapes, mesh))
+    self._steps[plan] = fn
     return fn
 
   def _put(self, batch: dict, plan: pipeline.Plan) -> dict:
@@ -268,7 +262,7 @@ class Trainer:
                    f'(profiled {", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in timings.items())})')
         m = chosen
       step_plan = dataclasses.replace(plan, micro_batches=m)
-      fn = self._executables.get(step_plan) or self._compiled(step_plan, 'train')
+      fn = self._executables.get(step_plan) or self._train_step(step_plan)
       t0 = time.perf_counter()
       self.state = fn(self.state, self._put(batch, step_plan))
       if i < len(trial) and i % 2 == 1:  # the second step of a candidate is warm
@@ -334,7 +328,7 @@ class Trainer:
     move, new_shapes = autodp.relayout_fn(state_shapes, old, new, self.mesh(plans[0]),
                                           self.optimizer.init)
     move = move.lower(state_shapes).compile()
-    steps = {plan: self._compiled(plan, 'train').lower(
+    steps = {plan: self._train_step(plan).lower(
         new_shapes, self._abstract_batch(plan, sample_batch)).compile() for plan in plans}
     self._portable_fn(new).lower(new_shapes).compile()  # warms the persistent cache
     return move, steps, time.perf_counter() - start
