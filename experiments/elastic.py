@@ -48,6 +48,11 @@ def check_config(config, num_devices_available: int) -> None:
     ok = [k for k in range(1, n + 1) if n % k == 0]
     raise ConfigError(f'pipeline.initial_length={c.pipeline.initial_length} does not divide '
                       f'the {n} devices; use one of {ok}')
+  if c.freeze.timestep_steps < 0:
+    raise ConfigError(f'freeze.timestep_steps must be >= 0, got {c.freeze.timestep_steps}')
+  if c.freeze.timestep_steps and c.train.batch_mode != 'constant':
+    raise ConfigError('freeze.timestep_steps needs train.batch_mode=constant (a transition '
+                      'inside an epoch cannot change the batch size)')
   freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
                       c.freeze.min_active_layers)
 

@@ -60,6 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.freeze = ml_collections.ConfigDict()
   c.freeze.policy = 'pipetransformer'  # or 'schedule', 'none'
   c.freeze.alpha = 1 / 3
+  c.freeze.timestep_steps = 0  # 0: a freeze timestep is an epoch; N > 0: every N steps
   c.freeze.min_active_layers = 1
   c.freeze.lambda_frozen = 1 / 6
   c.freeze.compress = True

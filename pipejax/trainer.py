@@ -110,6 +110,8 @@ class Trainer:
     self._executables: dict[pipeline.Plan, Any] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._ahead = None
+    self._trials: dict[int, dict] = {}
+    self._announced: set[int] = set()
     self._portable: dict[part.Partition, Any] = {}
     self.transitions: list[Transition] = []
     self.micro_batch_timings: dict[int, dict[int, float]] = {}
@@ -238,51 +240,75 @@ class Trainer:
     return jax.device_put(batch, NamedSharding(mesh, P(axes)))
 
   # -- the loop ----------------------------------------------------------------
-  def train_epoch(self, epoch: int, progress) -> dict:
-    """Runs one epoch; profiles M on live steps when K is new."""
-    plan = self.plan
-    loader = dataclasses.replace(self.train_loader, batch_size=self.batch_size(plan))
+  def _next_micro_batches(self, plan: pipeline.Plan) -> tuple[int, bool]:
+    """M for the next step of ``plan`` and whether to time that step.
+
+    With a new K and no remembered choice, each candidate runs two live
+    training steps (M does not change the maths, only the schedule) and the
+    second, warm one is timed; then the fastest is chosen and remembered.
+    """
+    k = plan.pipeline_length
     candidates = self.micro_batch_candidates(plan)
-    chosen = self.profile.get(plan.pipeline_length) if len(candidates) > 1 else candidates[0]
-    trial = [] if chosen in candidates else [m for m in candidates for _ in range(2)]
-    if not trial and chosen != plan.micro_batches:
-      self.log(f'  micro-batches for K={plan.pipeline_length}: M={chosen} (remembered in '
-               f'{self.profile.path})')
-    timings: dict[int, float] = {}
+    if len(candidates) == 1:
+      return candidates[0], False
+    known = self.profile.get(k)
+    if known in candidates:
+      if k not in self._announced:
+        self._announced.add(k)
+        self.log(f'  micro-batches for K={k}: M={known} (remembered in {self.profile.path})')
+      return known, False
+    trial = self._trials.setdefault(k, {'queue': [m for m in candidates for _ in range(2)],
+                                        'timings': {}})
+    m = trial['queue'].pop(0)
+    return m, m not in trial['queue']
+
+  def _record_timing(self, plan: pipeline.Plan, seconds: float) -> None:
+    """Stores a timed step; once every candidate is timed, chooses M."""
+    k = plan.pipeline_length
+    trial = self._trials[k]
+    trial['timings'][plan.micro_batches] = seconds
+    if trial['queue']:
+      return
+    timings = trial['timings']
+    chosen, _ = self.profile.choose(k, list(timings), timings.__getitem__)
+    self.micro_batch_timings[k] = dict(timings)
+    self._announced.add(k)
+    self.log(f'  micro-batches for K={k}: M={chosen} (profiled '
+             f'{", ".join(f"{m}: {t * 1e3:.0f} ms" for m, t in timings.items())})')
+
+  def train_epoch(self, epoch: int, progress) -> dict:
+    """Runs one epoch (with freeze timesteps inside it when
+    ``freeze.timestep_steps`` is set)."""
+    loader = dataclasses.replace(self.train_loader, batch_size=self.batch_size(self.plan))
+    every = self.config.freeze.timestep_steps
     start = time.perf_counter()
     steps = 0
-    for i, (_, batch) in enumerate(loader.epoch(epoch)):
-      if i < len(trial):
-        m = trial[i]
-      else:
-        if chosen not in candidates:
-          chosen, _ = self.profile.choose(plan.pipeline_length, candidates, timings.__getitem__)
-          self.micro_batch_timings[plan.pipeline_length] = dict(timings)
-          self.log(f'  micro-batches for K={plan.pipeline_length}: M={chosen} '
-                   f'(profiled {", ".join(f"{k}: {v * 1e3:.0f} ms" for k, v in timings.items())})')
-        m = chosen
-      step_plan = dataclasses.replace(plan, micro_batches=m)
-      fn = self._executables.get(step_plan) or self._train_step(step_plan)
+    transition_seconds = 0.0
+    last_step = self.config.train.epochs * self.steps_per_epoch
+    for _, batch in loader.epoch(epoch):
+      m, timed = self._next_micro_batches(self.plan)
+      self.plan = dataclasses.replace(self.plan, micro_batches=m)
+      fn = self._executables.get(self.plan) or self._train_step(self.plan)
       t0 = time.perf_counter()
-      self.state = fn(self.state, self._put(batch, step_plan))
-      if i < len(trial) and i % 2 == 1:  # the second step of a candidate is warm
+      self.state = fn(self.state, self._put(batch, self.plan))
+      if timed:
         jax.block_until_ready(self.state['sums'])
-        timings[m] = time.perf_counter() - t0
+        self._record_timing(self.plan, time.perf_counter() - t0)
       steps += 1
       progress.update(1)
       if steps % 10 == 0:
         progress.set_postfix(loss=f'{float(self.state["sums"][0]) / steps:.4f}')
-    if chosen not in candidates:  # an epoch shorter than the trial: use what was timed
-      timed = [m for m in candidates if m in timings]
-      chosen = (self.profile.choose(plan.pipeline_length, timed, timings.__getitem__)[0]
-                if timed else candidates[0])
-    self.plan = dataclasses.replace(plan, micro_batches=chosen)
+      step = int(self.state['step']) if every else 0
+      if every and step % every == 0 and step < last_step:
+        transition_seconds += self.maybe_transition(epoch, batch)
+        self.prepare_next(batch)
     sums = np.asarray(self.state['sums'])
     seconds = time.perf_counter() - start
     self.state['sums'] = _zeros_like(self.state['sums'])
     return {'train_loss': float(sums[0] / max(steps, 1)),
             'train_accuracy': float(sums[1] / max(sums[2], 1)),
-            'epoch_seconds': seconds, 'steps': steps,
+            'epoch_seconds': seconds - transition_seconds, 'steps': steps,
+            'transition_seconds': transition_seconds,
             'samples_per_second': steps * loader.batch_size / seconds}
 
   def evaluate(self, params: Params | None = None) -> float:
@@ -407,11 +433,15 @@ class Trainer:
     run_start = time.perf_counter()
     transition_seconds = 0.0
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
+    by_steps = bool(self.config.freeze.timestep_steps)
+    if by_steps:
+      self.prepare_next(sample_batch)
     for epoch in range(epochs):
-      if epoch + 1 < epochs:
+      if epoch + 1 < epochs and not by_steps:
         self.prepare_next(sample_batch)
       with progress_factory(epoch, self.steps_per_epoch) as bar:
         stats = self.train_epoch(epoch, bar)
+      transition_seconds += stats['transition_seconds']
       t0 = time.perf_counter()
       portable = self.portable_state()
       accuracy = self.evaluate(portable['params'])
@@ -436,7 +466,7 @@ class Trainer:
                f'M={row["micro_batches"]} {row["epoch_seconds"]:.1f}s '
                f'({row["samples_per_second"]:.0f} samples/s)')
       transition_seconds = 0.0
-      if epoch + 1 < epochs:
+      if epoch + 1 < epochs and not by_steps:
         transition_seconds = self.maybe_transition(epoch, sample_batch)
     return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - run_start}
 

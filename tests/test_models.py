@@ -78,3 +78,19 @@ def test_pretrained_minilm_matches_flax_bert_model():
                                 reference.params['embeddings']['word_embeddings']['embedding'])
   assert os.path.exists(os.path.join(path, 'model.safetensors'))
   assert jnp.all(jnp.isfinite(hidden))
+
+
+def test_pretrained_vit_from_local_directory(tmp_path):
+  """``from_pretrained`` of a saved HF ViT, with the checkpoint's head or a new one."""
+  created = fixtures.tiny('vit')
+  hf = created.hf_class(created.model.hf_config, seed=7)
+  hf.save_pretrained(str(tmp_path))
+  loaded = models.create('vit', pretrained=str(tmp_path))
+  for a, b in zip(jax.tree.leaves(loaded.model.to_hf(loaded.params)), jax.tree.leaves(hf.params)):
+    np.testing.assert_array_equal(a, b)
+  relabelled = models.create('vit', pretrained=str(tmp_path), num_labels=3)
+  assert relabelled.params['head']['classifier']['kernel'].shape[-1] == 3
+  np.testing.assert_array_equal(relabelled.params['embed']['cls_token'],
+                                hf.params['vit']['embeddings']['cls_token'])
+  with pytest.raises(ValueError, match='cannot load pretrained model'):
+    models.create('vit', pretrained=str(tmp_path / 'missing'))

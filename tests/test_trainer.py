@@ -2,10 +2,10 @@
 per-layer gradient norms, and the elastic run end to end."""
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
+from experiments import vit_imagenet
 from pipejax import autodp
 from pipejax import partition as part
 from pipejax.data import ArraySource, Loader
@@ -14,14 +14,14 @@ from tests import fixtures
 
 
 def _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=2):
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.train = dict(epochs=epochs, batch_size=16, batch_mode='constant', learning_rate=1e-2,
-                 weight_decay=0.1, warmup_epochs=0.0)
-  c.pipeline = dict(initial_length=initial_length, schedule='1f1b',
-                    micro_batches=micro_batches, profile_path='')
-  c.freeze = dict(policy=policy, alpha=alpha, min_active_layers=1, lambda_frozen=1 / 6,
-                  compress=True)
+  """The main job's config with small, deterministic settings."""
+  c = vit_imagenet.get_config()
+  with c.unlocked():
+    c.train.update(epochs=epochs, batch_size=16, learning_rate=1e-2, weight_decay=0.1,
+                   warmup_epochs=0.0)
+    c.pipeline.update(initial_length=initial_length, micro_batches=micro_batches,
+                      profile_path='')
+    c.freeze.update(policy=policy, alpha=alpha, compile_ahead=False)
   return c
 
 
@@ -138,3 +138,16 @@ def test_global_batch_modes():
   assert autodp.global_batch_size(64, 4, 'per_pipeline') == 256
   with pytest.raises(ValueError, match="unknown batch mode 'x'"):
     autodp.global_batch_size(64, 4, 'x')
+
+
+def test_freeze_timestep_in_steps():
+  config = _config(alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.freeze.timestep_steps = 2
+  trainer, _ = _trainer(config)  # 64 samples / 16 = 4 steps per epoch
+  stats = trainer.train_epoch(0, _Bar())
+  # Two timesteps inside the epoch: F = 2 (bound 2.0), then 3 (bound 3.0).
+  assert [d.result for d in trainer.policy.state.history] == [2, 3]
+  assert [t.step for t in trainer.transitions] == [2, 4]
+  assert stats['steps'] == 4 and stats['transition_seconds'] > 0
+  assert trainer.plan.partition.num_frozen_layers == 3

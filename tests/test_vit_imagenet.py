@@ -57,6 +57,8 @@ def test_default_config_smoke(tmp_path):
   # α = 0.5 on 12 layers freezes 6 after the first epoch.
   assert rows[1]['frozen_layers'] == 6
   assert saved['transitions'] and saved['transitions'][0]['frozen_layers'] == 6
+  # The α bound predicted that plan, so it was compiled while epoch 0 trained.
+  assert saved['transitions'][0]['compiled_ahead'] is True
   assert summary['mode'] == 'elastic'
   # Every plan's micro-batch count was profiled and remembered.
   with open(tmp_path / 'profile.json') as f:
