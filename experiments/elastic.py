@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 import models
 from experiments import datasets
-from pipejax import autodp, checkpoints, freeze, pipeline, reporting, schedule
+from pipejax import checkpoints, freeze, pipeline, reporting, schedule
 from pipejax.data import Loader
 from pipejax.partition import PartitionError
 from pipejax.trainer import Trainer
