@@ -54,7 +54,11 @@ def _imagenet_transform(image_size: int):
 
 def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') -> Dataset:
   """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`."""
-  import tensorflow_datasets as tfds  # noqa: PLC0415
+  try:
+    import tensorflow_datasets as tfds  # noqa: PLC0415
+  except ImportError as e:
+    raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed '
+                         f'({e}); pip install -r requirements.txt') from e
   try:
     train = tfds.data_source(name, split='train', data_dir=data_dir or None, download=False)
     evaluation = tfds.data_source(name, split='validation', data_dir=data_dir or None,
