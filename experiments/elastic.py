@@ -53,6 +53,9 @@ def check_config(config, num_devices_available: int) -> None:
   if c.freeze.timestep_steps and c.train.batch_mode != 'constant':
     raise ConfigError('freeze.timestep_steps needs train.batch_mode=constant (a transition '
                       'inside an epoch cannot change the batch size)')
+  if c.train.batch_mode == 'constant' and c.train.batch_size % n:
+    raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of the {n} '
+                      f'devices (the frozen prefix and evaluation split it over all of them)')
   freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
                       c.freeze.min_active_layers)
 
@@ -124,6 +127,11 @@ def run(config, workdir: str | None, task: str) -> dict:
     raise ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another --workdir')
   with config.unlocked():
     config.pipeline.profile_path = os.path.expanduser(config.pipeline.profile_path)
+  largest = config.train.batch_size * (len(devices) if config.train.batch_mode == 'per_pipeline'
+                                       else 1)
+  if largest > len(data.train):
+    raise ConfigError(f'the global batch can reach {largest} samples but {data.name} has '
+                      f'{len(data.train)} training samples; lower train.batch_size')
   cap = config.train.max_steps_per_epoch
   train_loader = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
   eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,

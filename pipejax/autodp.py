@@ -129,7 +129,8 @@ def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, me
   shardings = state_shardings(shapes, mesh)
   new_shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
-  return jax.jit(move, out_shardings=shardings), new_shapes
+  # Donated: the old layout is dead after the move, so it never coexists with the new one.
+  return jax.jit(move, out_shardings=shardings, donate_argnums=0), new_shapes
 
 
 def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,

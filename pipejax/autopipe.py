@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -188,18 +189,24 @@ class MicroBatchProfile:
     return best, timings
 
   def _save(self) -> None:
+    """Writes the profile; an unwritable location keeps the choice in memory
+    (with a warning) rather than stopping training."""
     if not self.path:
       return
-    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-    data = {}
-    if os.path.exists(self.path):
-      try:
-        with open(self.path) as f:
-          data = json.load(f)
-      except (OSError, json.JSONDecodeError):
-        data = {}
-    data[self.key] = self.entries
-    tmp = f'{self.path}.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(data, f, indent=1)
-    os.replace(tmp, self.path)
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+      data = {}
+      if os.path.exists(self.path):
+        try:
+          with open(self.path) as f:
+            data = json.load(f)
+        except (OSError, json.JSONDecodeError):
+          data = {}
+      data[self.key] = self.entries
+      tmp = f'{self.path}.tmp'
+      with open(tmp, 'w') as f:
+        json.dump(data, f, indent=1)
+      os.replace(tmp, self.path)
+    except OSError as e:
+      warnings.warn(f'cannot write the micro-batch profile {self.path}: {e}; '
+                    f'keeping it for this run only')

@@ -88,8 +88,12 @@ class Trainer:
     self.log = log
     self.num_devices = len(self.devices)
     c = config
+    min_active = c.freeze.min_active_layers
+    if not c.freeze.compress:
+      # A static pipeline of length K needs K active units: 2·(L − F) + 1 ≥ K.
+      min_active = max(min_active, math.ceil((c.pipeline.initial_length - 1) / 2))
     self.policy = freeze.FreezePolicy(c.freeze.policy, model.num_layers, c.freeze.alpha,
-                                      c.freeze.min_active_layers)
+                                      min(min_active, model.num_layers))
     self.costs = autopipe.parameter_costs(params)
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
@@ -289,6 +293,8 @@ class Trainer:
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
       fn = self._executables.get(self.plan) or self._train_step(self.plan)
+      if timed:  # time this step alone, not the tail of the one before
+        jax.block_until_ready(self.state)
       t0 = time.perf_counter()
       self.state = fn(self.state, self._put(batch, self.plan))
       if timed:
@@ -335,10 +341,15 @@ class Trainer:
     """AutoPipe's partition once ``num_frozen`` blocks are frozen."""
     c = self.config.freeze
     k = self.plan.pipeline_length
-    if c.compress:
-      return autopipe.compress(self.costs, num_frozen, k, self.initial_length,
-                               c.lambda_frozen).partition
-    return autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
+    if not c.compress:
+      return autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
+    partition = autopipe.compress(self.costs, num_frozen, k, self.initial_length,
+                                  c.lambda_frozen).partition
+    k = partition.pipeline_length
+    if self.num_devices % k:  # forced halving of an odd length: largest divisor instead
+      k = max(d for d in range(1, k + 1) if self.num_devices % d == 0)
+      partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
+    return partition
 
   def _abstract_batch(self, plan: pipeline.Plan, sample_batch: dict) -> dict:
     axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
@@ -372,6 +383,9 @@ class Trainer:
     term can only freeze less, which then compiles at the transition)."""
     if self.config.freeze.policy == 'none' or not self.config.freeze.compile_ahead:
       return
+    if self._ahead is not None:
+      self._ahead[2].cancel()  # a stale prediction must not delay the next one
+      self._ahead = None
     s, p = self.policy.state, self.policy
     bound = s.bound + p.alpha * (p.num_layers - s.bound)
     predicted = max(min(math.floor(bound + 1e-9), p.cap), s.num_frozen_layers)
@@ -431,11 +445,22 @@ class Trainer:
     row, portable_state)`` runs after each epoch (checkpointing)."""
     metrics_log = reporting.MetricsLog(self.workdir)
     run_start = time.perf_counter()
-    transition_seconds = 0.0
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
+    if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
+      self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     by_steps = bool(self.config.freeze.timestep_steps)
     if by_steps:
       self.prepare_next(sample_batch)
+    try:
+      self._run_epochs(epochs, progress_factory, on_epoch, metrics_log, run_start, by_steps,
+                       sample_batch)
+    finally:
+      self._pool.shutdown(wait=False, cancel_futures=True)
+    return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - run_start}
+
+  def _run_epochs(self, epochs, progress_factory, on_epoch, metrics_log, run_start, by_steps,
+                  sample_batch) -> None:
+    transition_seconds = 0.0
     for epoch in range(epochs):
       if epoch + 1 < epochs and not by_steps:
         self.prepare_next(sample_batch)
@@ -468,5 +493,4 @@ class Trainer:
       transition_seconds = 0.0
       if epoch + 1 < epochs and not by_steps:
         transition_seconds = self.maybe_transition(epoch, sample_batch)
-    return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - run_start}
 

@@ -75,15 +75,17 @@ def _canonical_moments(trainer):
   adam = trainer.state['opt'][0]
   zeros = jax.tree.map(jnp.zeros_like, trainer.state['frozen'])
   partition = trainer.plan.partition
-  return (part.from_stage_params(adam.mu, partition, zeros),
-          part.from_stage_params(adam.nu, partition, zeros), adam.count)
+  # Host copies: the transition donates (and so deletes) the device arrays.
+  return (jax.tree.map(np.array, part.from_stage_params(adam.mu, partition, zeros)),
+          jax.tree.map(np.array, part.from_stage_params(adam.nu, partition, zeros)),
+          int(adam.count))
 
 
 def test_transition_keeps_moments_step_rng_and_head():
   trainer, _ = _trainer(_config(alpha=0.75, initial_length=8, micro_batches=8))
   trainer.train_epoch(0, _Bar())
   mu, nu, count = _canonical_moments(trainer)
-  params = trainer.canonical_params()
+  params = jax.tree.map(np.array, trainer.canonical_params())
   step, rng = int(trainer.state['step']), np.asarray(trainer.state['rng'])
   old_plan = trainer.plan
   trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])

@@ -68,6 +68,7 @@ def test_default_config_smoke(tmp_path):
 def test_imagenet_path_on_mock_tfds(tmp_path):
   tfds = pytest.importorskip('tensorflow_datasets')
   config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
+                                'data.data_dir': str(tmp_path / 'tfds'),
                                 'model.preset': 'custom', 'model.num_layers': 4,
                                 'model.hidden_size': 32, 'model.intermediate_size': 64,
                                 'pipeline.initial_length': 4, 'train.batch_size': 16,
@@ -84,7 +85,10 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.freeze.alpha=1.5'], 'alpha must be in (0, 1), got 1.5'),
     (['--config.freeze.policy=eq1'], "unknown freeze policy 'eq1'"),
     (['--config.pipeline.initial_length=3'], 'initial_length=3 does not divide the 8 devices'),
-    (['--config.train.batch_size=60'], 'batch size 60 is not divisible'),
+    (['--config.train.batch_size=60'], 'batch_size=60 must be a multiple of the 8 devices'),
+    (['--config.pipeline.micro_batches=24'],
+     'batch size 64 is not divisible by replicas x micro-batches = 1 x 24 = 24'),
+    (['--config.train.batch_size=4096'], 'training samples; lower train.batch_size'),
     (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
      'imagenet2012 is not prepared'),
     (['--config.train.no_such_key=1'], 'no_such_key'),
