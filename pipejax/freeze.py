@@ -114,6 +114,16 @@ class FreezePolicy:
   def cap(self) -> int:
     return self.num_layers - self.min_active_layers
 
+  def bound_result(self) -> tuple[float, int]:
+    """The α term of Eq. 1 for the timestep now running: the real-valued
+    bound and the count it alone would freeze (capped, never lower than F).
+    The argmin term can only make the decision smaller."""
+    s = self.state
+    if self.policy == 'none':
+      return float(s.num_frozen_layers), s.num_frozen_layers
+    bound = s.bound + self.alpha * (self.num_layers - s.bound)
+    return bound, min(max(math.floor(bound + 1e-9), s.num_frozen_layers), self.cap)
+
   def decide(self, layer_grad_norms: np.ndarray | None, step: int = 0) -> Decision:
     """Ends a timestep and returns the decision (``result`` is the new F).
 
@@ -126,24 +136,17 @@ class FreezePolicy:
     s = self.state
     previous = s.num_frozen_layers
     argmin, norms = None, None
-    if self.policy == 'none':
-      bound = float(previous)
-      result = previous
-    else:
-      bound = s.bound + self.alpha * (self.num_layers - s.bound)
-      result = math.floor(bound + 1e-9)
-      if self.policy == 'pipetransformer':
-        if layer_grad_norms is None:
-          raise ValueError('the pipetransformer policy needs per-layer gradient norms')
-        norms = [float(x) for x in np.asarray(layer_grad_norms)]
-        if len(norms) != self.num_layers:
-          raise ValueError(f'expected {self.num_layers} layer norms, got {len(norms)}')
-        active = norms[previous:]
-        argmin = previous + int(np.argmin(active))
-        if argmin + 1 < result:
-          result, bound = argmin + 1, float(argmin + 1)
-      result = min(max(result, previous), self.cap)
-      bound = min(bound, float(self.cap))
+    bound, result = self.bound_result()
+    if self.policy == 'pipetransformer':
+      if layer_grad_norms is None:
+        raise ValueError('the pipetransformer policy needs per-layer gradient norms')
+      norms = [float(x) for x in np.asarray(layer_grad_norms)]
+      if len(norms) != self.num_layers:
+        raise ValueError(f'expected {self.num_layers} layer norms, got {len(norms)}')
+      argmin = previous + int(np.argmin(norms[previous:]))
+      if argmin + 1 < result:  # argmin ≥ F, so this still freezes at least one more
+        result, bound = argmin + 1, float(argmin + 1)
+    bound = min(bound, float(self.cap))
     s.bound = bound
     s.timestep += 1
     s.num_frozen_layers = result

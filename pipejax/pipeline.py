@@ -154,7 +154,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     def stage_fn(p, x, m):
       """Stage forward on micro-batch m: ``x [mb, seq, d] -> (out, (loss, metrics))``."""
       mb = jax.tree.map(lambda a: a[m], micro)
-      key = None if rng is None else jax.random.fold_in(rng, replica * num_micro + m)
+      key = jax.random.fold_in(rng, replica * num_micro + m)
       if partition.has_embed:
         embed = lambda: model.embed_fn(p['embed'], mb, unit_rng(key, 0), train)
         h = embed() if single else lax.cond(is_first, embed, lambda: x)
@@ -185,8 +185,8 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                                                        micro['hidden'].dtype)
     act_zero = jnp.zeros(hidden_shape.shape, hidden_shape.dtype)
     act_fill = jnp.full(hidden_shape.shape, fill, hidden_shape.dtype)
-    metric_zero = jax.eval_shape(lambda: stage_fn(params, act_zero, 0)[1])
-    metric_zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_zero)
+    metric_zero = _zeros_like_metrics(model, shared['head'], act_zero,
+                                      jax.tree.map(lambda a: a[0], micro))
     grads0 = jax.tree.map(jnp.zeros_like, params) if training else None
     buf0 = jnp.full((buffers.num_slots,) + hidden_shape.shape, fill, hidden_shape.dtype)
     ops = jnp.asarray(sched.ops, jnp.int32)
@@ -243,7 +243,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
       return (act_buf, cot_buf, grads, loss_sum, metric_sum), None
 
     carry = (buf0, buf0 if training else buf0[:0], grads0, jnp.zeros((), jnp.float32),
-             metric_zero[1])
+             metric_zero)
     if single:
       for t in range(sched.num_ticks):
         carry, _ = tick(carry, t)

@@ -87,6 +87,8 @@ class Trainer:
     self.devices = list(jax.devices() if devices is None else devices)
     self.log = log
     self.num_devices = len(self.devices)
+    # All devices as one 'batch' axis: evaluation and the layout-free state.
+    self._flat_mesh = Mesh(np.array(self.devices), ('batch',))
     c = config
     min_active = c.freeze.min_active_layers
     if not c.freeze.compress:
@@ -109,7 +111,7 @@ class Trainer:
     self.lr = optax.warmup_cosine_decay_schedule(0.0, c.train.learning_rate, max(1, warmup),
                                                  total, end_value=0.0)
     self.optimizer = optax.adamw(self.lr, weight_decay=c.train.weight_decay)
-    self._steps: dict[tuple, Any] = {}
+    self._steps: dict[pipeline.Plan, Any] = {}
     self._eval = None
     self._executables: dict[pipeline.Plan, Any] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -186,8 +188,6 @@ class Trainer:
 
   def _portable_fn(self, partition: part.Partition):
     if partition not in self._portable:
-      flat = Mesh(np.array(self.devices), ('batch',))
-
       def portable(s):
         zeros = jax.tree.map(jnp.zeros_like, s['frozen'])
         return {'params': part.from_stage_params(s['active'], partition, s['frozen']),
@@ -195,7 +195,8 @@ class Trainer:
                     lambda t: part.from_stage_params(t, partition, zeros), s['opt']),
                 'step': s['step'], 'rng': s['rng']}
 
-      self._portable[partition] = jax.jit(portable, out_shardings=NamedSharding(flat, P()))
+      self._portable[partition] = jax.jit(portable,
+                                          out_shardings=NamedSharding(self._flat_mesh, P()))
     return self._portable[partition]
 
   def canonical_params(self) -> Params:
@@ -238,10 +239,19 @@ class Trainer:
     self._steps[plan] = fn
     return fn
 
-  def _put(self, batch: dict, plan: pipeline.Plan) -> dict:
-    mesh = self.mesh(plan)
+  def _batch_sharding(self, plan: pipeline.Plan) -> NamedSharding:
+    """Batches split over 'data'; with a frozen prefix over all devices, which
+    run the prefix data-parallel."""
     axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
-    return jax.device_put(batch, NamedSharding(mesh, P(axes)))
+    return NamedSharding(self.mesh(plan), P(axes))
+
+  def _put(self, batch: dict, plan: pipeline.Plan) -> dict:
+    return jax.device_put(batch, self._batch_sharding(plan))
+
+  def _state_spec(self) -> dict:
+    """The current state as shapes with shardings (to compile against)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        self.state)
 
   # -- the loop ----------------------------------------------------------------
   def _next_micro_batches(self, plan: pipeline.Plan) -> tuple[int, bool]:
@@ -289,6 +299,7 @@ class Trainer:
     steps = 0
     transition_seconds = 0.0
     last_step = self.config.train.epochs * self.steps_per_epoch
+    first_step = int(self.state['step']) if every else 0  # one host sync per epoch
     for _, batch in loader.epoch(epoch):
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
@@ -304,7 +315,7 @@ class Trainer:
       progress.update(1)
       if steps % 10 == 0:
         progress.set_postfix(loss=f'{float(self.state["sums"][0]) / steps:.4f}')
-      step = int(self.state['step']) if every else 0
+      step = first_step + steps
       if every and step % every == 0 and step < last_step:
         transition_seconds += self.maybe_transition(epoch, batch)
         self.prepare_next(batch)
@@ -324,7 +335,7 @@ class Trainer:
     (one compiled function for the whole run, whatever the plan), so a
     transition never pays for compiling an evaluation step.
     """
-    flat = Mesh(np.array(self.devices), ('batch',))
+    flat = self._flat_mesh
     if self._eval is None:
       self._eval = jax.jit(lambda p, b: self.model.loss(p, b)[1],
                            in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))))
@@ -352,8 +363,7 @@ class Trainer:
     return partition
 
   def _abstract_batch(self, plan: pipeline.Plan, sample_batch: dict) -> dict:
-    axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
-    sharding = NamedSharding(self.mesh(plan), P(axes))
+    sharding = self._batch_sharding(plan)
     size = self.batch_size(plan)
     return {k: jax.ShapeDtypeStruct((size,) + np.shape(v)[1:], np.asarray(v).dtype,
                                     sharding=sharding) for k, v in sample_batch.items()}
@@ -386,18 +396,14 @@ class Trainer:
     if self._ahead is not None:
       self._ahead[2].cancel()  # a stale prediction must not delay the next one
       self._ahead = None
-    s, p = self.policy.state, self.policy
-    bound = s.bound + p.alpha * (p.num_layers - s.bound)
-    predicted = max(min(math.floor(bound + 1e-9), p.cap), s.num_frozen_layers)
-    if predicted == s.num_frozen_layers:
+    _, predicted = self.policy.bound_result()
+    if predicted == self.policy.num_frozen_layers:
       return
     old = self.plan.partition
     new = self._partition_after(predicted)
     plans = self._candidate_plans(new)
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          self.state)
-    self._ahead = (old, new, self._pool.submit(self._prepare, old, new, plans, shapes,
-                                               sample_batch))
+    self._ahead = (old, new, self._pool.submit(self._prepare, old, new, plans,
+                                               self._state_spec(), sample_batch))
 
   def maybe_transition(self, epoch: int, sample_batch: dict) -> float:
     """Ends a freeze timestep: decide F, and on a change re-plan, move the
@@ -421,9 +427,8 @@ class Trainer:
     if ahead_used:
       move, steps, _ = ahead[2].result()  # waits only for what is still compiling
     else:
-      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), self.state)
-      move, steps, _ = self._prepare(old.partition, new_partition, plans, shapes, sample_batch)
+      move, steps, _ = self._prepare(old.partition, new_partition, plans, self._state_spec(),
+                                     sample_batch)
     compile_s = time.perf_counter() - t0
     self._executables.update(steps)
     t0 = time.perf_counter()
