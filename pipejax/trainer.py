@@ -60,6 +60,11 @@ def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
   return jnp.sqrt(per_layer)
 
 
+def _without_frozen(state: dict) -> dict:
+  """The part of a trainer state that a train step reads and writes."""
+  return {k: v for k, v in state.items() if k != 'frozen'}
+
+
 def _zeros_like(x: jax.Array) -> jax.Array:
   """Zeros with ``x``'s sharding (compiled steps insist on their shardings)."""
   return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
@@ -114,6 +119,8 @@ class Trainer:
     self._steps: dict[pipeline.Plan, Any] = {}
     self._eval = None
     self._executables: dict[pipeline.Plan, Any] = {}
+    self._prefixes: dict[tuple[int, int], Any] = {}
+    self._compiled_prefixes: dict[tuple[int, int], Any] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._ahead = None
     self._trials: dict[int, dict] = {}
@@ -204,30 +211,44 @@ class Trainer:
     return self.portable_state()['params']
 
   # -- compiled steps ------------------------------------------------------------
-  def _feed(self, frozen, batch, partition: part.Partition, mesh: Mesh):
-    """The pipeline's input: the batch, or the frozen prefix's output."""
-    if partition.has_embed:
-      return batch
-    spread = NamedSharding(mesh, P((pipeline.DATA, pipeline.STAGE)))
-    inputs = {k: jax.lax.with_sharding_constraint(batch[k], spread) for k in self.model.input_keys}
-    hidden = self.model.hidden_states(frozen, inputs, upto_layer=partition.num_frozen_layers)
-    hidden = jax.lax.with_sharding_constraint(jax.lax.stop_gradient(hidden),
-                                              NamedSharding(mesh, P(pipeline.DATA)))
-    keep = self.model.block_keys + self.model.label_keys + ('example_mask',)
-    return {'hidden': hidden, **{k: batch[k] for k in keep if k in batch}}
+  def _prefix_fn(self, plan: pipeline.Plan):
+    """The jitted frozen prefix of ``plan`` (embed and the first F blocks),
+    forward only: ``(frozen, inputs) -> hidden [batch, seq, hidden]``.
+
+    Its input is split over *all* devices (data parallel, better than the
+    paper's prefix on each pipeline's first device); its output comes back
+    split over ``'data'``, as the pipeline reads it. Cached per (F, K).
+    """
+    key = (plan.partition.num_frozen_layers, plan.pipeline_length)
+    if key not in self._prefixes:
+      mesh = self.mesh(plan)
+      depth = plan.partition.num_frozen_layers
+
+      def prefix(frozen, inputs):
+        return jax.lax.stop_gradient(self.model.hidden_states(frozen, inputs, upto_layer=depth))
+
+      self._prefixes[key] = jax.jit(
+          prefix, in_shardings=(NamedSharding(mesh, P()), self._spread(plan)),
+          out_shardings=NamedSharding(mesh, P(pipeline.DATA)))
+    return self._prefixes[key]
 
   def _train_step(self, plan: pipeline.Plan):
-    """The jitted train step of ``plan`` (cached; donates the state)."""
+    """The jitted train step of ``plan`` (cached; donates the state).
+
+    ``(state, feed) -> state`` where ``state`` lacks ``'frozen'`` (the step
+    never touches frozen parameters) and ``feed`` is the batch, or, with a
+    frozen prefix, its output ``'hidden'`` with the labels and the keys every
+    block reads (see :meth:`_feed`).
+    """
     if plan in self._steps:
       return self._steps[plan]
     mesh = self.mesh(plan)
     partition = plan.partition
-    state_shapes = self._state_shapes(partition)
+    state_shapes = _without_frozen(self._state_shapes(partition))
     grad = self.pipe.grad_fn(plan, state_shapes['active'], train=True).jitted
 
-    def step(state, batch):
+    def step(state, feed):
       rng, step_rng = jax.random.split(state['rng'])
-      feed = self._feed(state['frozen'], batch, partition, mesh)
       loss, metrics, grads = grad(state['active'], feed, step_rng)
       updates, opt = self.optimizer.update(grads, state['opt'], state['active'])
       return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
@@ -239,19 +260,40 @@ class Trainer:
     self._steps[plan] = fn
     return fn
 
-  def _batch_sharding(self, plan: pipeline.Plan) -> NamedSharding:
-    """Batches split over 'data'; with a frozen prefix over all devices, which
-    run the prefix data-parallel."""
-    axes = pipeline.DATA if plan.partition.has_embed else (pipeline.DATA, pipeline.STAGE)
-    return NamedSharding(self.mesh(plan), P(axes))
+  def _spread(self, plan: pipeline.Plan) -> NamedSharding:
+    """Split over every device: the frozen prefix's input."""
+    return NamedSharding(self.mesh(plan), P((pipeline.DATA, pipeline.STAGE)))
 
-  def _put(self, batch: dict, plan: pipeline.Plan) -> dict:
-    return jax.device_put(batch, self._batch_sharding(plan))
+  def _feed_keys(self) -> tuple[str, ...]:
+    """What the pipeline reads besides ``'hidden'`` when a prefix is frozen."""
+    return tuple(dict.fromkeys(self.model.block_keys + self.model.label_keys +
+                               ('example_mask',)))
+
+  def _feed(self, batch: dict, plan: pipeline.Plan) -> dict:
+    """The pipeline's input on the devices: the batch, or the frozen prefix's
+    output with the keys every block reads and the labels."""
+    data = NamedSharding(self.mesh(plan), P(pipeline.DATA))
+    if plan.partition.has_embed:
+      return jax.device_put(batch, data)
+    inputs = jax.device_put({k: batch[k] for k in self.model.input_keys}, self._spread(plan))
+    prefix = self._compiled_prefixes.get(self._prefix_key(plan)) or self._prefix_fn(plan)
+    hidden = prefix(self.state['frozen'], inputs)
+    rest = jax.device_put({k: batch[k] for k in self._feed_keys() if k in batch}, data)
+    return {'hidden': hidden, **rest}
+
+  @staticmethod
+  def _prefix_key(plan: pipeline.Plan) -> tuple[int, int]:
+    return plan.partition.num_frozen_layers, plan.pipeline_length
 
   def _state_spec(self) -> dict:
     """The current state as shapes with shardings (to compile against)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         self.state)
+
+  def _run_step(self, fn, feed: dict) -> None:
+    """One train step on the current state (the frozen prefix stays put)."""
+    frozen = self.state['frozen']
+    self.state = {**fn(_without_frozen(self.state), feed), 'frozen': frozen}
 
   # -- the loop ----------------------------------------------------------------
   def _next_micro_batches(self, plan: pipeline.Plan) -> tuple[int, bool]:
@@ -307,7 +349,7 @@ class Trainer:
       if timed:  # time this step alone, not the tail of the one before
         jax.block_until_ready(self.state)
       t0 = time.perf_counter()
-      self.state = fn(self.state, self._put(batch, self.plan))
+      self._run_step(fn, self._feed(batch, self.plan))
       if timed:
         jax.block_until_ready(self.state['sums'])
         self._record_timing(self.plan, time.perf_counter() - t0)
@@ -362,11 +404,22 @@ class Trainer:
       partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
     return partition
 
-  def _abstract_batch(self, plan: pipeline.Plan, sample_batch: dict) -> dict:
-    sharding = self._batch_sharding(plan)
+  def _abstract_inputs(self, plan: pipeline.Plan, sample_batch: dict, keys, sharding) -> dict:
     size = self.batch_size(plan)
-    return {k: jax.ShapeDtypeStruct((size,) + np.shape(v)[1:], np.asarray(v).dtype,
-                                    sharding=sharding) for k, v in sample_batch.items()}
+    return {k: jax.ShapeDtypeStruct((size,) + np.shape(sample_batch[k])[1:],
+                                    np.asarray(sample_batch[k]).dtype, sharding=sharding)
+            for k in keys if k in sample_batch}
+
+  def _abstract_feed(self, plan: pipeline.Plan, frozen_shapes, sample_batch: dict):
+    """``(prefix inputs or None, feed)`` as shapes with shardings."""
+    data = NamedSharding(self.mesh(plan), P(pipeline.DATA))
+    if plan.partition.has_embed:
+      return None, self._abstract_inputs(plan, sample_batch, list(sample_batch), data)
+    inputs = self._abstract_inputs(plan, sample_batch, self.model.input_keys, self._spread(plan))
+    hidden = jax.eval_shape(self._prefix_fn(plan), frozen_shapes, inputs)
+    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=data)
+    return inputs, {'hidden': hidden,
+                    **self._abstract_inputs(plan, sample_batch, self._feed_keys(), data)}
 
   def _prepare(self, old: part.Partition, new: part.Partition, plans: list[pipeline.Plan],
                state_shapes: dict, sample_batch: dict):
@@ -375,10 +428,13 @@ class Trainer:
     move, new_shapes = autodp.relayout_fn(state_shapes, old, new, self.mesh(plans[0]),
                                           self.optimizer.init)
     move = move.lower(state_shapes).compile()
-    steps = {plan: self._train_step(plan).lower(
-        new_shapes, self._abstract_batch(plan, sample_batch)).compile() for plan in plans}
+    inputs, feed = self._abstract_feed(plans[0], new_shapes['frozen'], sample_batch)
+    prefixes = {} if inputs is None else {self._prefix_key(plans[0]): self._prefix_fn(
+        plans[0]).lower(new_shapes['frozen'], inputs).compile()}
+    steps = {plan: self._train_step(plan).lower(_without_frozen(new_shapes), feed).compile()
+             for plan in plans}
     self._portable_fn(new).lower(new_shapes).compile()  # warms the persistent cache
-    return move, steps, time.perf_counter() - start
+    return move, steps, prefixes, time.perf_counter() - start
 
   def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:
     """The plans a partition may run: the remembered M, or every candidate M."""
@@ -425,12 +481,13 @@ class Trainer:
     ahead_used = ahead is not None and ahead[:2] == (old.partition, new_partition)
     t0 = time.perf_counter()
     if ahead_used:
-      move, steps, _ = ahead[2].result()  # waits only for what is still compiling
+      move, steps, prefixes, _ = ahead[2].result()  # waits only for what still compiles
     else:
-      move, steps, _ = self._prepare(old.partition, new_partition, plans, self._state_spec(),
+      move, steps, prefixes, _ = self._prepare(old.partition, new_partition, plans, self._state_spec(),
                                      sample_batch)
     compile_s = time.perf_counter() - t0
     self._executables.update(steps)
+    self._compiled_prefixes.update(prefixes)
     t0 = time.perf_counter()
     self.state = move(self.state)
     jax.block_until_ready(self.state)
