@@ -136,7 +136,7 @@ class ActivationCache:
       self._disk = DiskTier(directory, identity, self.entry_shape, self.dtype.name, disk_bytes,
                             n, on_mismatch, log)
       self._reopen()
-    # Prefetch state: the planned batches, the consumer's position, staged entries.
+    # Prefetch state: the planned batches, the next one to be fetched, staged entries.
     self._plan: list[np.ndarray] = []
     self._plan_index: dict[int, list[int]] = {}
     self._cursor = 0
@@ -482,13 +482,14 @@ class ActivationCache:
       self._staged_bytes = 0
 
   def _follow_plan(self, ids: np.ndarray) -> None:
-    """Moves the prefetch cursor to the planned batch equal to ``ids``."""
+    """Moves the prefetch cursor past the planned batch equal to ``ids``
+    (being fetched now) and releases what was staged for batches before it."""
     if not self._plan or not len(ids):
       return
     with self._lock:
       for i in self._plan_index.get(int(ids[0]), []):
         if i >= self._cursor and np.array_equal(self._plan[i], ids):
-          self._cursor = i
+          self._cursor = i + 1
           passed = [k for k, v in self._staged.items() if v[0] < i]
           for k in passed:
             del self._staged[k]

@@ -241,6 +241,9 @@ def test_evict_stale_and_clear(tmp_path):
   cache.fetch(ids, fake.compute_fn(ids, 2))
   cache.advance(4)
   assert cache.evict_stale() == 10
+  reopened = make_cache(tmp_path, num_samples=10, disk_bytes=1 << 20, depth=4)
+  assert reopened.stats()['disk_entries'] == 0  # evicted records do not come back
+  reopened.close()
   stats = cache.stats()
   assert stats['memory_entries'] == stats['disk_entries'] == stats['bytes_in_memory'] == 0
   cache.fetch(ids, fake.compute_fn(ids, 4))
@@ -306,6 +309,8 @@ def test_torn_write_never_reads_as_valid(tmp_path):
   os.pwrite(tier.fd, record, 2 * tier.record_bytes)
   payload, valid = tier.read(np.array([2]), np.array([9]), np.array([4]))
   assert valid[0] and np.array_equal(payload, new)
+  for sample_id, depth in ((9, 5), (8, 4)):  # whole, but not the entry asked for
+    assert not tier.read(np.array([2]), np.array([sample_id]), np.array([depth]))[1][0]
   tier.close()
 
 
@@ -340,6 +345,10 @@ def test_same_run_reopens_its_entries_and_drops_deeper_ones(tmp_path):
   earlier = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20, depth=2)
   assert not earlier.contains(ids).any() and earlier.stats()['disk_entries'] == 0
   earlier.close()
+  # ... and they stay dropped: the resumed run may freeze different values.
+  later = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20, depth=3)
+  assert not later.contains(ids).any()
+  later.close()
 
 
 # -- prefetch -------------------------------------------------------------------------
@@ -349,6 +358,14 @@ def _filled(tmp_path, fake, n, **kw):
   run_epoch(cache, fake, epoch_batches(n, 8, 0))
   fake.computed.clear()
   return cache
+
+
+def wait_staged(cache, ids, seconds=20.0):
+  """Waits until the prefetcher staged every disk entry of ``ids`` (or gives up)."""
+  want = set(ids[cache._tier[ids] == 2].tolist())  # noqa: SLF001
+  deadline = time.monotonic() + seconds
+  while not want <= set(cache._staged) and time.monotonic() < deadline:  # noqa: SLF001
+    time.sleep(0.005)
 
 
 def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
@@ -363,7 +380,8 @@ def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
   cache.prefetch(batches)
   peaks = []
   for ids in batches:
-    time.sleep(0.02)  # a slow step: the prefetcher fills its budget meanwhile
+    wait_staged(cache, ids)  # a slow step: the prefetcher fills its budget meanwhile
+    time.sleep(0.01)
     peaks.append(cache.stats()['bytes_in_memory'])
     got = cache.fetch(ids, fake.compute_fn(ids, 4), fake.advance_fn)
     np.testing.assert_array_equal(got, plain.fetch(ids, fake.compute_fn(ids, 4)))
@@ -388,10 +406,21 @@ def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
     f.write(b'\xff\xff')
   batches = epoch_batches(n, 8, 1)
   cache.prefetch(batches)
+  deadline = time.monotonic() + 20
+  while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
+    time.sleep(0.005)
+  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001 - full: 0 (and 1) staged
   cache.fetch(batches[2], fake.compute_fn(batches[2], 4))  # jumps ahead: 0 and 1 released
-  for ids in batches[3:] + batches[:2]:
+  ahead = np.concatenate(batches[3:])
+  on_disk = int(np.sum((cache._tier[ahead] == 2) & (ahead != victim)))  # noqa: SLF001
+  before = cache.stats()['prefetched']
+  for ids in batches[3:]:
+    wait_staged(cache, ids[ids != victim], seconds=5.0)
     got = cache.fetch(ids, fake.compute_fn(ids, 4))
     np.testing.assert_array_equal(got, fake.direct(ids, 4))
+  assert cache.stats()['prefetched'] - before == on_disk  # read ahead, not stuck behind 0 and 1
+  for ids in batches[:2]:  # not in the plan any more: read directly
+    np.testing.assert_array_equal(cache.fetch(ids, fake.compute_fn(ids, 4)), fake.direct(ids, 4))
   assert np.concatenate(fake.computed).tolist() == [victim]
   assert cache.stats()['corrupt'] == 1
   assert cache.stats()['peak_bytes_in_memory'] <= 8 * ENTRY
