@@ -115,7 +115,8 @@ class ActivationCache:
       raise ValueError(f'prefetch_bytes {prefetch_bytes} must be in [0, memory_bytes '
                        f'{memory_bytes}]')
     self.num_samples, self.depth, self.log = int(num_samples), int(depth), log
-    self.memory_bytes, self.disk_bytes, self.prefetch_bytes = memory_bytes, disk_bytes, prefetch_bytes
+    self.memory_bytes, self.disk_bytes = memory_bytes, disk_bytes
+    self.prefetch_bytes = prefetch_bytes
     self._resident_limit = memory_bytes - prefetch_bytes
     n = self.num_samples
     self._tier = np.zeros(n, np.int8)
@@ -140,7 +141,8 @@ class ActivationCache:
     self._plan: list[np.ndarray] = []
     self._plan_index: dict[int, list[int]] = {}
     self._cursor = 0
-    self._staged: dict[int, tuple[int, int, int, np.ndarray]] = {}  # id -> batch, version, depth, value
+    # sample id -> (batch index, version, depth, value in the storage dtype)
+    self._staged: dict[int, tuple[int, int, int, np.ndarray]] = {}
     self._staged_bytes = 0
     self._peak_memory = 0
     self._changed = threading.Condition(self._lock)
