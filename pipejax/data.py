@@ -5,7 +5,10 @@ arrays`` for an integer array of sample IDs (``tfds.data_source`` wrapped by
 :class:`TfdsSource`, or in-memory arrays in :class:`ArraySource`). The
 :class:`Loader` draws a fresh permutation every epoch, deterministic in
 ``(seed, epoch)``, and yields ``(sample_ids, batch)``. IDs are what AutoCache
-keys activations by; the order is known ahead of time, so a cache can prefetch.
+keys activations by; the order is known ahead of time, so a cache can prefetch
+(:meth:`Loader.batch_ids`). In multi-host runs :func:`host_subset` fixes each
+host's share of the IDs for the whole run and the Loader shuffles within it
+(paper App. D.1), so a host-local cache is reused every epoch.
 """
 from __future__ import annotations
 
@@ -90,17 +93,49 @@ class Loader:
       return np.asarray(self.ids)
     return np.random.default_rng([self.seed, epoch]).permutation(self.ids)
 
-  def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[np.ndarray, Batch]]:
-    """Yields ``(sample_ids [batch], batch)`` for ``epoch`` from ``start_step``."""
+  def batch_ids(self, epoch: int, start_step: int = 0) -> list[np.ndarray]:
+    """The ``sample_ids [batch]`` of every batch :meth:`epoch` will yield, in
+    order (the last one padded by repeating IDs when ``drop_remainder`` is
+    False); what a cache's ``prefetch`` wants."""
     order = self.order(epoch)
+    batches = []
     for step in range(start_step, self.steps_per_epoch()):
       ids = order[step * self.batch_size:(step + 1) * self.batch_size]
-      mask = np.ones(len(ids), np.float32)
       if len(ids) < self.batch_size:
-        pad = self.batch_size - len(ids)
-        mask = np.concatenate([mask, np.zeros(pad, np.float32)])
-        ids = np.concatenate([ids, np.resize(ids, pad)])
+        ids = np.concatenate([ids, np.resize(ids, self.batch_size - len(ids))])
+      batches.append(ids)
+    return batches
+
+  def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[np.ndarray, Batch]]:
+    """Yields ``(sample_ids [batch], batch)`` for ``epoch`` from ``start_step``."""
+    real = len(self.ids) - start_step * self.batch_size
+    for step, ids in enumerate(self.batch_ids(epoch, start_step)):
       batch = self.source[ids]
       if not self.drop_remainder:
-        batch['example_mask'] = mask
+        count = min(self.batch_size, real - step * self.batch_size)
+        batch['example_mask'] = (np.arange(self.batch_size) < count).astype(np.float32)
       yield ids, batch
+
+
+def host_subset(num_samples: int, process_index: int, process_count: int,
+                seed: int = 0) -> np.ndarray:
+  """This host's fixed share of the sample IDs (paper App. D.1).
+
+  The IDs are permuted once with ``seed`` (the same on every host) and split
+  into ``process_count`` equal parts; host ``process_index`` gets one part,
+  sorted, for the whole run. Give it to ``Loader(ids=...)``: the Loader
+  reshuffles only within it every epoch, so a sample never moves to another
+  host and its cached activations stay useful. The ``num_samples %
+  process_count`` left-over IDs are dropped so every host runs the same
+  number of steps.
+
+  Returns:
+    ``[num_samples // process_count]`` int64 sample IDs.
+  """
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f'process index {process_index} is not in [0, {process_count})')
+  if num_samples < process_count:
+    raise ValueError(f'{num_samples} samples cannot be split over {process_count} hosts')
+  share = num_samples // process_count
+  permutation = np.random.default_rng([seed, 0x5eed]).permutation(num_samples)
+  return np.sort(permutation[process_index * share:(process_index + 1) * share]).astype(np.int64)

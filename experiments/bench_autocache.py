@@ -1,0 +1,108 @@
+"""Benchmark: AutoCache read / write throughput per tier and storage dtype.
+
+    python -m experiments.bench_autocache --workdir DIR [--batch 64 --seq 65 --hidden 64]
+
+For each storage dtype and tier (memory only; disk only; disk with prefetch),
+one epoch of ``--batches`` batches of ``[batch, seq, hidden]`` float32
+activations is written through :meth:`ActivationCache.fetch` (all misses), then
+read back twice (all hits), the second time side by side with a copy of the
+same batch already in memory (the floor). Disk reads mostly hit the OS page
+cache, as they would during training when the file fits in RAM. Prints a table
+and writes ``DIR/bench_autocache.json`` with a list ``rows``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pipejax.autocache import ActivationCache
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--workdir', required=True, help='where bench_autocache.json goes')
+  p.add_argument('--batch', type=int, default=64)
+  p.add_argument('--seq', type=int, default=65)
+  p.add_argument('--hidden', type=int, default=64)
+  p.add_argument('--batches', type=int, default=32, help='batches per epoch')
+  return p.parse_args(argv)
+
+
+def _epoch(cache, batches, values, work_seconds=0.0):
+  """Median seconds per batch of fetching every batch (``work_seconds`` of
+  simulated training between fetches, excluded)."""
+  times = []
+  for ids in batches:
+    if work_seconds:
+      time.sleep(work_seconds)
+    start = time.perf_counter()
+    cache.fetch(ids, lambda rows, ids=ids: values[ids[rows]])
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main(argv=None) -> int:
+  args = _parse(argv)
+  n = args.batch * args.batches
+  shape = (args.seq, args.hidden)
+  values = np.random.default_rng(0).normal(size=(n,) + shape).astype(np.float32)
+  batch_mb = args.batch * args.seq * args.hidden * 4 / 2**20
+  rows = []
+  for dtype in ('float32', 'bfloat16'):
+    entry = int(np.prod(shape)) * np.dtype(np.float32).itemsize // (2 if dtype == 'bfloat16' else 1)
+    for tier in ('memory', 'disk', 'disk+prefetch'):
+      directory = os.path.join(args.workdir, f'cache-{dtype}-{tier}')
+      shutil.rmtree(directory, ignore_errors=True)
+      prefetch = 4 * args.batch * entry if tier == 'disk+prefetch' else 0
+      memory = 2 * n * entry if tier == 'memory' else prefetch
+      disk = 0 if tier == 'memory' else 2 * n * (entry + 32)
+      cache = ActivationCache(identity='bench', num_samples=n, entry_shape=shape, dtype=dtype,
+                              memory_bytes=memory, disk_bytes=disk, directory=directory,
+                              prefetch_bytes=prefetch, depth=1, log=lambda s: None)
+      order = np.random.default_rng(1).permutation(n)
+      batches = [order[i:i + args.batch] for i in range(0, n, args.batch)]
+      write = _epoch(cache, batches, values)
+      reads = []
+      for epoch in (2, 3):
+        order = np.random.default_rng(epoch).permutation(n)
+        batches = [order[i:i + args.batch] for i in range(0, n, args.batch)]
+        if tier == 'disk+prefetch':
+          cache.prefetch(batches)
+        # With prefetch, a 5 ms "training step" between fetches lets the reads overlap it.
+        reads.append(_epoch(cache, batches, values, 0.005 if tier == 'disk+prefetch' else 0.0))
+      start = time.perf_counter()
+      for ids in batches:
+        values[ids].copy()
+      floor = (time.perf_counter() - start) / len(batches)
+      stats = cache.stats()
+      cache.close()
+      shutil.rmtree(directory, ignore_errors=True)
+      rows.append({'dtype': dtype, 'tier': tier, 'write_ms': 1e3 * write,
+                   'read_ms': 1e3 * reads[-1], 'gather_in_memory_ms': 1e3 * floor,
+                   'write_mb_s': batch_mb / write, 'read_mb_s': batch_mb / reads[-1],
+                   'prefetched': stats['prefetched'], 'hits': stats['hits']})
+  print(f'[{args.batch}, {args.seq}, {args.hidden}] float32 batch = {batch_mb:.2f} MiB; '
+        f'{args.batches} batches; median ms per batch')
+  print(f'{"dtype":9} {"tier":14} {"write ms":>9} {"read ms":>8} {"floor ms":>9} '
+        f'{"write MB/s":>11} {"read MB/s":>10} {"prefetched":>10}')
+  for r in rows:
+    print(f'{r["dtype"]:9} {r["tier"]:14} {r["write_ms"]:9.3f} {r["read_ms"]:8.3f} '
+          f'{r["gather_in_memory_ms"]:9.3f} {r["write_mb_s"]:11.0f} {r["read_mb_s"]:10.0f} '
+          f'{r["prefetched"]:10d}')
+  os.makedirs(args.workdir, exist_ok=True)
+  out = os.path.join(args.workdir, 'bench_autocache.json')
+  with open(out, 'w') as f:
+    json.dump({'meta': vars(args), 'rows': rows}, f, indent=2)
+  print(f'wrote {out}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

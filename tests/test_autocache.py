@@ -1,0 +1,527 @@
+"""AutoCache: exact values, one pass per frozen layer, budgets, disk safety,
+prefetch, the caching decision, and the multi-host sampler it relies on."""
+import os
+import threading
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pipejax import autocache_disk
+from pipejax.autocache import ActivationCache, CacheMismatchError, storage_error_bound
+from pipejax.autocache_policy import CachingProfiler, caching_allowed, decide_caching
+from pipejax.data import ArraySource, Loader, host_subset
+from tests import fixtures
+
+SEQ, HIDDEN, LAYERS = 5, 8, 9
+ENTRY = SEQ * HIDDEN * 4  # float32 bytes of one entry
+
+
+class FakePrefix:
+  """A numpy stand-in for the frozen prefix: input → embedding → LAYERS
+  blocks, each a fixed nonlinear map. It counts every (sample, block) pass
+  itself: the independent reference for the cache's own counter."""
+
+  def __init__(self, num_samples, seed=0):
+    rng = np.random.default_rng(seed)
+    self.inputs = rng.normal(size=(num_samples, SEQ, HIDDEN)).astype(np.float32)
+    # Elementwise maps (no BLAS): a row's result never depends on the batch.
+    self.scale = rng.normal(size=(LAYERS, 1, HIDDEN)).astype(np.float32)
+    self.passes = np.zeros((num_samples, LAYERS), np.int64)
+    self.computed = []  # the IDs each compute call got
+
+  def blocks(self, ids, hidden, from_depth, to_depth):
+    hidden = np.array(hidden, np.float32)
+    for layer in range(from_depth, to_depth):
+      hidden = self.block(layer, hidden)
+      np.add.at(self.passes[:, layer], ids, 1)
+    return hidden
+
+  def direct(self, ids, depth):
+    """The reference: the prefix recomputed from the input (not counted)."""
+    hidden = self.inputs[ids]
+    for layer in range(depth):
+      hidden = self.block(layer, hidden)
+    return hidden
+
+  def block(self, layer, hidden):
+    return hidden + np.tanh(hidden * self.scale[layer] + np.roll(hidden, 1, axis=-1))
+
+  def compute_fn(self, batch_ids, depth):
+    def compute(rows):
+      ids = batch_ids[rows]
+      self.computed.append(ids)
+      return self.blocks(ids, self.inputs[ids], 0, depth)
+    return compute
+
+  def advance_fn(self, ids, hidden, from_depth, to_depth):
+    return self.blocks(ids, hidden, from_depth, to_depth)
+
+
+def make_cache(tmp_path=None, num_samples=32, **kw):
+  kw.setdefault('memory_bytes', 1 << 20)
+  if tmp_path is not None:
+    kw.setdefault('directory', str(tmp_path / 'cache'))
+  return ActivationCache(identity=kw.pop('identity', 'run-a'), num_samples=num_samples,
+                         entry_shape=(SEQ, HIDDEN), log=kw.pop('log', lambda s: None), **kw)
+
+
+def run_epoch(cache, fake, batches, advance=True):
+  """Fetches every batch; returns the values in batch order."""
+  return [cache.fetch(ids, fake.compute_fn(ids, cache.depth),
+                      fake.advance_fn if advance else None) for ids in batches]
+
+
+def epoch_batches(num_samples, batch_size, epoch):
+  order = np.random.default_rng([7, epoch]).permutation(num_samples)
+  return [order[i:i + batch_size] for i in range(0, num_samples, batch_size)]
+
+
+# -- values ------------------------------------------------------------------------
+def test_fp32_entries_are_exact_and_hit_the_second_epoch(tmp_path):
+  fake = FakePrefix(32)
+  cache = make_cache(tmp_path, memory_bytes=10 * ENTRY, disk_bytes=1 << 20, prefetch_bytes=0)
+  cache.advance(3)
+  first = run_epoch(cache, fake, epoch_batches(32, 8, 0))
+  fake.computed.clear()
+  batches = epoch_batches(32, 8, 1)
+  second = run_epoch(cache, fake, batches)
+  assert fake.computed == []  # every sample served from memory or disk
+  for ids, got in zip(batches, second):
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, fake.direct(ids, 3))
+  stats = cache.stats()
+  assert (stats['hits'], stats['misses'], stats['memory_entries'], stats['disk_entries']) == (
+      32, 32, 10, 22)
+  assert len(first) == 4
+
+
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
+def test_half_precision_storage_bound(tmp_path, dtype):
+  """Each stored value is the round-to-nearest of the float32 value:
+  |stored − x| ≤ storage_error_bound(dtype)·|x| on both tiers."""
+  fake = FakePrefix(16)
+  cache = make_cache(tmp_path, num_samples=16, dtype=dtype, memory_bytes=4 * ENTRY // 2,
+                     disk_bytes=1 << 20, prefetch_bytes=0)
+  cache.advance(2)
+  ids = np.arange(16)
+  cache.fetch(ids, fake.compute_fn(ids, 2))
+  got = cache.fetch(ids, fake.compute_fn(ids, 2))
+  assert cache.stats()['hits'] == 16 and cache.stats()['disk_entries'] == 12
+  exact = fake.direct(ids, 2)
+  bound = storage_error_bound(dtype)
+  assert np.all(np.abs(got - exact) <= bound * np.abs(exact))
+  np.testing.assert_array_equal(got, exact.astype(np.dtype(dtype) if dtype == 'float16' else
+                                                  ml_dtypes.bfloat16).astype(np.float32))
+  assert not np.array_equal(got, exact)  # it did round
+
+
+def test_repeated_ids_are_computed_once():
+  fake = FakePrefix(8)
+  cache = make_cache(num_samples=8)
+  cache.advance(4)
+  ids = np.array([3, 1, 3, 5, 1, 3])  # a padded batch repeats IDs
+  got = cache.fetch(ids, fake.compute_fn(ids, 4))
+  np.testing.assert_array_equal(got, fake.direct(ids, 4))
+  assert sorted(np.concatenate(fake.computed).tolist()) == [1, 3, 5]
+  assert fake.passes.sum() == 3 * 4
+
+
+# -- one pass per frozen layer --------------------------------------------------------
+@pytest.mark.parametrize('eager', [True, False])
+def test_each_sample_passes_each_frozen_layer_once(tmp_path, eager):
+  """F 0→4→6→9 over memory and disk: the cache's counter, the fake's own
+  count and samples × depth agree; values equal recomputation exactly."""
+  n, batch = 24, 6
+  fake = FakePrefix(n)
+  cache = make_cache(tmp_path, num_samples=n, memory_bytes=9 * ENTRY, disk_bytes=1 << 20,
+                     prefetch_bytes=0)
+  for epoch, depth in enumerate([0, 4, 4, 6, 9]):
+    cache.advance(depth, fake.advance_fn if eager else None, batch_size=5)
+    batches = epoch_batches(n, batch, epoch)
+    for ids, got in zip(batches, run_epoch(cache, fake, batches)):
+      np.testing.assert_array_equal(got, fake.direct(ids, depth))
+  assert cache.stats()['layer_passes'] == n * 9 == fake.passes.sum()
+  np.testing.assert_array_equal(fake.passes, np.ones((n, LAYERS)))
+  np.testing.assert_array_equal(cache.layer_passes_per_sample(), np.full(n, 9))
+  assert cache.stats()['repeated_layer_passes'] == 0 and len(cache.repeated_samples()) == 0
+  assert cache.stats()['advanced'] == 3 * n  # 0→4, 4→6, 6→9
+  np.testing.assert_array_equal(cache.depths(np.arange(n)), np.full(n, 9))
+
+
+def test_without_advance_fn_stale_entries_are_recomputed_and_counted():
+  fake = FakePrefix(8)
+  cache = make_cache(num_samples=8)
+  ids = np.arange(8)
+  cache.advance(2)
+  cache.fetch(ids, fake.compute_fn(ids, 2))
+  cache.advance(5)
+  got = cache.fetch(ids, fake.compute_fn(ids, 5))  # no advance_fn
+  np.testing.assert_array_equal(got, fake.direct(ids, 5))
+  assert cache.stats()['layer_passes'] == fake.passes.sum() == 8 * 7
+  assert cache.stats()['repeated_layer_passes'] == 8 * 2
+  np.testing.assert_array_equal(cache.repeated_samples(), ids)
+
+
+def test_real_vit_prefix_through_the_cache(tmp_path):
+  """With the tiny ViT's own prefix and blocks, jitted: served entries equal
+  what the functions computed bit for bit, and the advanced chain equals one
+  direct forward to XLA's fusion differences (float32 rounding)."""
+  created = fixtures.tiny('vit', num_layers=6)
+  model, params = created.model, created.params
+  data = fixtures.batch('vit', model, 16, seed=3)['pixel_values']
+  prefix = jax.jit(lambda x, d: model.hidden_states(params, {'pixel_values': x}, upto_layer=d),
+                   static_argnums=1)
+
+  def blocks(h, d0, d1):
+    for unit in range(2 * d0 + 1, 2 * d1 + 1):
+      h = model.sublayer(params, unit, h, {})
+    return h
+  blocks = jax.jit(blocks, static_argnums=(1, 2))
+  entry_shape = prefix(data[:1], 0).shape[1:]
+  cache = ActivationCache(identity='vit', num_samples=16, entry_shape=entry_shape,
+                          memory_bytes=6 * int(np.prod(entry_shape)) * 4, disk_bytes=1 << 20,
+                          directory=str(tmp_path), prefetch_bytes=0, log=lambda s: None)
+  computed = {}
+
+  def compute_fn(batch_ids, depth):
+    def compute(rows):
+      out = np.asarray(prefix(data[batch_ids[rows]], depth))
+      computed.update(zip(batch_ids[rows].tolist(), out))
+      return out
+    return compute
+  advance = lambda ids, h, d0, d1: np.asarray(blocks(h, d0, d1))  # noqa: E731
+  batches = [np.arange(8), np.arange(8, 16)]
+  for depth in (2, 2, 5):
+    cache.advance(depth, advance, batch_size=8)
+    got = [cache.fetch(ids, compute_fn(ids, depth), advance) for ids in batches]
+    if depth == 2 and computed:
+      for ids, g in zip(batches, got):
+        np.testing.assert_array_equal(g, np.stack([computed[i] for i in ids.tolist()]))
+  np.testing.assert_allclose(np.concatenate(got), prefix(data, 5), rtol=0, atol=1e-5)
+  assert cache.stats()['layer_passes'] == 16 * 5 and cache.stats()['repeated_layer_passes'] == 0
+
+
+# -- budgets --------------------------------------------------------------------------
+def test_budgets_hold_when_everything_does_not_fit(tmp_path):
+  n, in_memory, on_disk = 40, 7, 11
+  fake = FakePrefix(n)
+  record = autocache_disk.HEADER.itemsize + ENTRY
+  cache = make_cache(tmp_path, num_samples=n, memory_bytes=in_memory * ENTRY + ENTRY - 1,
+                     disk_bytes=on_disk * record + record - 1, prefetch_bytes=0)
+  cache.advance(3, fake.advance_fn)
+  batches = epoch_batches(n, 8, 0)
+  run_epoch(cache, fake, batches)
+  stats = cache.stats()
+  assert (stats['memory_entries'], stats['disk_entries'], stats['uncached']) == (
+      in_memory, on_disk, n - in_memory - on_disk)
+  assert stats['bytes_in_memory'] == in_memory * ENTRY <= cache.memory_bytes
+  assert stats['bytes_on_disk'] == on_disk * record
+  assert os.path.getsize(tmp_path / 'cache' / 'entries.bin') <= cache.disk_bytes
+  uncached = set(range(n)) - set(np.nonzero(cache.contains(np.arange(n)))[0].tolist())
+  fake.computed.clear()
+  for ids, got in zip(batches, run_epoch(cache, fake, batches)):
+    np.testing.assert_array_equal(got, fake.direct(ids, 3))
+  assert set(np.concatenate(fake.computed).tolist()) == uncached  # recomputed, nothing else
+  assert set(cache.repeated_samples().tolist()) == uncached
+  # A freeze event advances what is cached; the rest is recomputed at the new depth.
+  cache.advance(5, fake.advance_fn)
+  assert cache.stats()['disk_file_bytes'] <= cache.disk_bytes
+  assert cache.stats()['peak_bytes_in_memory'] <= cache.memory_bytes
+
+
+def test_evict_stale_and_clear(tmp_path):
+  fake = FakePrefix(10)
+  cache = make_cache(tmp_path, num_samples=10, memory_bytes=4 * ENTRY, disk_bytes=1 << 20,
+                     prefetch_bytes=0)
+  ids = np.arange(10)
+  cache.advance(2)
+  cache.fetch(ids, fake.compute_fn(ids, 2))
+  cache.advance(4)
+  assert cache.evict_stale() == 10
+  reopened = make_cache(tmp_path, num_samples=10, disk_bytes=1 << 20, depth=4)
+  assert reopened.stats()['disk_entries'] == 0  # evicted records do not come back
+  reopened.close()
+  stats = cache.stats()
+  assert stats['memory_entries'] == stats['disk_entries'] == stats['bytes_in_memory'] == 0
+  cache.fetch(ids, fake.compute_fn(ids, 4))
+  cache.clear()
+  assert not cache.contains(ids).any() and cache.stats()['disk_file_bytes'] == 0
+
+
+# -- disk safety ----------------------------------------------------------------------
+def _disk_cache(tmp_path, fake, n=12, **kw):
+  cache = make_cache(tmp_path, num_samples=n, memory_bytes=kw.pop('memory_bytes', 0),
+                     disk_bytes=1 << 20, prefetch_bytes=0, **kw)
+  cache.advance(3)
+  ids = np.arange(n)
+  cache.fetch(ids, fake.compute_fn(ids, 3))
+  fake.computed.clear()
+  return cache, ids
+
+
+@pytest.mark.parametrize('where', ['payload', 'header', 'truncate'])
+def test_corrupt_disk_entries_are_detected_and_recomputed(tmp_path, where):
+  fake = FakePrefix(12)
+  lines = []
+  cache, ids = _disk_cache(tmp_path, fake, log=lines.append)
+  record = cache._disk.record_bytes  # noqa: SLF001
+  slot = int(cache._slot[5])  # noqa: SLF001
+  path = tmp_path / 'cache' / 'entries.bin'
+  if where == 'truncate':
+    os.truncate(path, record * 11 + 100)  # the last slot's record is cut short
+    bad = {int(np.nonzero(cache._slot == 11)[0][0])}  # noqa: SLF001
+  else:
+    offset = slot * record + (autocache_disk.HEADER.itemsize + 17 if where == 'payload' else 12)
+    with open(path, 'r+b') as f:
+      f.seek(offset)
+      byte = f.read(1)
+      f.seek(offset)
+      f.write(bytes([byte[0] ^ 0x10]))
+    bad = {5}
+  got = cache.fetch(ids, fake.compute_fn(ids, 3))
+  np.testing.assert_array_equal(got, fake.direct(ids, 3))  # never the corrupt value
+  assert set(np.concatenate(fake.computed).tolist()) == bad
+  assert cache.stats()['corrupt'] == 1
+  assert any('corrupt' in line for line in lines)
+  fake.computed.clear()
+  cache.fetch(ids, fake.compute_fn(ids, 3))  # the recomputed entry was stored again
+  assert fake.computed == []
+
+
+def test_torn_write_never_reads_as_valid(tmp_path):
+  """A crash mid-write leaves a record mixing the new and the old bytes (or
+  a prefix of the new one); none of them validates as either entry."""
+  tier = autocache_disk.DiskTier(str(tmp_path), 'run', (SEQ, HIDDEN), 'float32', 1 << 20, 8)
+  rng = np.random.default_rng(0)
+  old, new = rng.normal(size=(2, 1, SEQ, HIDDEN)).astype(np.float32)
+  tier.write(np.array([2]), np.array([7]), np.array([3]), old)
+  record = tier.encode(np.array([9]), np.array([4]), new)[0].tobytes()
+  for cut in (8, autocache_disk.HEADER.itemsize, autocache_disk.HEADER.itemsize + 40,
+              len(record) - 1):
+    tier.write(np.array([2]), np.array([7]), np.array([3]), old)
+    os.pwrite(tier.fd, record[:cut], 2 * tier.record_bytes)  # the write stopped at `cut`
+    for sample_id, depth in ((7, 3), (9, 4)):
+      _, valid = tier.read(np.array([2]), np.array([sample_id]), np.array([depth]))
+      assert not valid[0], (cut, sample_id)
+  os.pwrite(tier.fd, record, 2 * tier.record_bytes)
+  payload, valid = tier.read(np.array([2]), np.array([9]), np.array([4]))
+  assert valid[0] and np.array_equal(payload, new)
+  for sample_id, depth in ((9, 5), (8, 4)):  # whole, but not the entry asked for
+    assert not tier.read(np.array([2]), np.array([sample_id]), np.array([depth]))[1][0]
+  tier.close()
+
+
+def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
+  fake = FakePrefix(12)
+  cache, ids = _disk_cache(tmp_path, fake)
+  cache.close()
+  for other in (dict(identity='run-b'), dict(dtype='bfloat16')):
+    with pytest.raises(CacheMismatchError, match='another run') as err:
+      make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, **other)
+    assert '\n' not in str(err.value)
+  lines = []
+  cache = make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, identity='run-b',
+                     on_mismatch='clear', log=lines.append, depth=3)
+  assert 'clearing' in lines[0] and not cache.contains(ids).any()
+  got = cache.fetch(ids, fake.compute_fn(ids, 3))
+  assert len(np.concatenate(fake.computed)) == 12  # nothing of run-a was read
+  np.testing.assert_array_equal(got, fake.direct(ids, 3))
+  cache.close()
+
+
+def test_same_run_reopens_its_entries_and_drops_deeper_ones(tmp_path):
+  fake = FakePrefix(12)
+  cache, ids = _disk_cache(tmp_path, fake)
+  cache.close()
+  again = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20, depth=3)
+  got = again.fetch(ids, fake.compute_fn(ids, 3))
+  assert fake.computed == [] and again.stats()['hits'] == 12
+  np.testing.assert_array_equal(got, fake.direct(ids, 3))
+  again.close()
+  # Resumed from an earlier checkpoint (depth 2): depth-3 entries are not usable.
+  earlier = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20, depth=2)
+  assert not earlier.contains(ids).any() and earlier.stats()['disk_entries'] == 0
+  earlier.close()
+  # ... and they stay dropped: the resumed run may freeze different values.
+  later = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20, depth=3)
+  assert not later.contains(ids).any()
+  later.close()
+
+
+# -- prefetch -------------------------------------------------------------------------
+def _filled(tmp_path, fake, n, **kw):
+  cache = make_cache(tmp_path, num_samples=n, **kw)
+  cache.advance(4, fake.advance_fn)
+  run_epoch(cache, fake, epoch_batches(n, 8, 0))
+  fake.computed.clear()
+  return cache
+
+
+def wait_staged(cache, ids, seconds=20.0):
+  """Waits until the prefetcher staged every disk entry of ``ids`` (or gives up)."""
+  want = set(ids[cache._tier[ids] == 2].tolist())  # noqa: SLF001
+  deadline = time.monotonic() + seconds
+  while not want <= set(cache._staged) and time.monotonic() < deadline:  # noqa: SLF001
+    time.sleep(0.005)
+
+
+def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
+  n = 64
+  fake = FakePrefix(n)
+  budget = 20 * ENTRY
+  cache = _filled(tmp_path / 'a', fake, n, memory_bytes=budget, disk_bytes=1 << 20,
+                  prefetch_bytes=12 * ENTRY)
+  plain = _filled(tmp_path / 'b', fake, n, memory_bytes=budget, disk_bytes=1 << 20,
+                  prefetch_bytes=0)
+  batches = epoch_batches(n, 8, 1)
+  cache.prefetch(batches)
+  peaks = []
+  for ids in batches:
+    wait_staged(cache, ids)  # a slow step: the prefetcher fills its budget meanwhile
+    time.sleep(0.01)
+    peaks.append(cache.stats()['bytes_in_memory'])
+    got = cache.fetch(ids, fake.compute_fn(ids, 4), fake.advance_fn)
+    np.testing.assert_array_equal(got, plain.fetch(ids, fake.compute_fn(ids, 4)))
+  stats = cache.stats()
+  assert fake.computed == []
+  assert stats['prefetched'] > 0.5 * stats['disk_entries']
+  assert max(peaks) <= budget and stats['peak_bytes_in_memory'] <= budget
+  assert max(peaks) > stats['memory_entries'] * ENTRY  # it did stage something
+  cache.close()
+  plain.close()
+
+
+def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
+  n = 32
+  fake = FakePrefix(n)
+  cache = _filled(tmp_path, fake, n, memory_bytes=8 * ENTRY, disk_bytes=1 << 20,
+                  prefetch_bytes=8 * ENTRY)
+  victim = int(np.nonzero(cache._tier == 2)[0][3])  # noqa: SLF001
+  path = tmp_path / 'cache' / 'entries.bin'
+  with open(path, 'r+b') as f:
+    f.seek(int(cache._slot[victim]) * cache._disk.record_bytes + 40)  # noqa: SLF001
+    f.write(b'\xff\xff')
+  batches = epoch_batches(n, 8, 1)
+  cache.prefetch(batches)
+  deadline = time.monotonic() + 20
+  while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
+    time.sleep(0.005)
+  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001 - full: 0 (and 1) staged
+  cache.fetch(batches[2], fake.compute_fn(batches[2], 4))  # jumps ahead: 0 and 1 released
+  ahead = np.concatenate(batches[3:])
+  on_disk = int(np.sum((cache._tier[ahead] == 2) & (ahead != victim)))  # noqa: SLF001
+  before = cache.stats()['prefetched']
+  for ids in batches[3:]:
+    wait_staged(cache, ids[ids != victim], seconds=5.0)
+    got = cache.fetch(ids, fake.compute_fn(ids, 4))
+    np.testing.assert_array_equal(got, fake.direct(ids, 4))
+  assert cache.stats()['prefetched'] - before == on_disk  # read ahead, not stuck behind 0 and 1
+  for ids in batches[:2]:  # not in the plan any more: read directly
+    np.testing.assert_array_equal(cache.fetch(ids, fake.compute_fn(ids, 4)), fake.direct(ids, 4))
+  assert np.concatenate(fake.computed).tolist() == [victim]
+  assert cache.stats()['corrupt'] == 1
+  assert cache.stats()['peak_bytes_in_memory'] <= 8 * ENTRY
+  cache.close()
+  assert threading.active_count() < 50
+
+
+# -- errors ---------------------------------------------------------------------------
+def test_bad_input_is_one_line_errors(tmp_path):
+  fake = FakePrefix(4)
+  cache = make_cache(num_samples=4)
+  cache.advance(2)
+  for call, match in [
+      (lambda: cache.fetch(np.array([4]), fake.compute_fn(np.array([4]), 2)), r'in \[0, 4\)'),
+      (lambda: cache.advance(1), 'cannot go back'),
+      (lambda: cache.fetch(np.array([1]), lambda rows: np.zeros((1, SEQ))), 'expected'),
+      (lambda: make_cache(dtype='int8'), 'not one of'),
+      (lambda: make_cache(disk_bytes=10), 'needs a cache directory'),
+      (lambda: make_cache(tmp_path, disk_bytes=10, on_mismatch='keep'), 'refuse'),
+      (lambda: make_cache(memory_bytes=10, prefetch_bytes=11), 'prefetch_bytes')]:
+    with pytest.raises(ValueError, match=match) as err:
+      call()
+    assert '\n' not in str(err.value)
+
+
+# -- the caching decision ----------------------------------------------------------------
+def test_decide_caching():
+  # Reading beats the forward: caching pays from the second epoch on.
+  assert decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=2).use_cache
+  assert not decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=1).use_cache  # never reused
+  assert decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=1, filled=True).use_cache
+  assert not decide_caching(1, 0.02, 0.03, 0.01, epochs_ahead=10).use_cache  # read is slower
+  assert not decide_caching(0, 1.0, 0.0, 0.0, epochs_ahead=10).use_cache  # nothing frozen
+  d = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3)
+  assert d.seconds_without == pytest.approx(0.30) and d.seconds_with == pytest.approx(0.19)
+
+
+def test_profiler_logs_inputs_and_reevaluates_per_depth():
+  lines = []
+  profiler = CachingProfiler(epochs_ahead=3, log=lines.append)
+  with pytest.raises(ValueError, match='lacks timings'):
+    profiler.decide(1)
+  for forward in (0.011, 0.010, 0.5):  # a compile-time outlier does not count
+    profiler.record(forward_seconds=forward)
+  profiler.record(read_seconds=0.02, write_seconds=0.02)
+  assert not profiler.decide(1).use_cache
+  assert 'F=1: run the prefix' in lines[-1] and 'read 0.0200s' in lines[-1]
+  profiler.reset()  # depth change: the forward got longer
+  profiler.record(forward_seconds=0.04, read_seconds=0.02, write_seconds=0.02)
+  assert profiler.decide(4).use_cache and 'F=4: use the cache' in lines[-1]
+  assert [d.num_frozen_layers for d in profiler.decisions] == [1, 4]
+
+
+def test_augmentation_guard():
+  lines = []
+  assert caching_allowed(False, False, lines.append) and lines == []
+  assert not caching_allowed(True, False, lines.append)
+  assert 'disabled' in lines[-1] and '\n' not in lines[-1]
+  assert caching_allowed(True, True, lines.append) and 'accepts' in lines[-1]
+
+
+def test_measure_io_reports_both_tiers(tmp_path):
+  hidden = np.random.default_rng(0).normal(size=(8, SEQ, HIDDEN))
+  memory = make_cache(memory_bytes=1 << 20)
+  disk = make_cache(tmp_path, memory_bytes=0, disk_bytes=1 << 20)
+  for cache in (memory, disk):
+    write, read = cache.measure_io(hidden)
+    assert write > 0 and read > 0
+  assert not os.path.exists(tmp_path / 'cache' / autocache_disk.PROBE)
+  assert disk.stats()['disk_entries'] == 0
+
+
+# -- the multi-host sampler ------------------------------------------------------------------
+def test_host_subsets_are_fixed_disjoint_and_shuffled_within():
+  parts = [host_subset(103, i, 4, seed=1) for i in range(4)]
+  assert all(len(p) == 25 for p in parts)
+  joined = np.concatenate(parts)
+  assert len(np.unique(joined)) == 100 and joined.max() < 103
+  np.testing.assert_array_equal(parts[2], host_subset(103, 2, 4, seed=1))  # fixed
+  source = ArraySource({'x': np.arange(103)})
+  loader = Loader(source, 5, seed=3, ids=parts[1])
+  orders = [np.concatenate(loader.batch_ids(e)) for e in range(3)]
+  for order in orders:
+    assert set(order.tolist()) == set(parts[1].tolist())  # never leaves the host
+  assert not np.array_equal(orders[0], orders[1])  # reshuffled every epoch
+  for bad in [(10, 4, 4), (10, -1, 2), (3, 0, 4)]:
+    with pytest.raises(ValueError):
+      host_subset(*bad)
+
+
+def test_loader_batch_ids_match_its_epochs():
+  source = ArraySource({'x': np.arange(23) * 10})
+  for loader in (Loader(source, 5, seed=2), Loader(source, 5, shuffle=False,
+                                                   drop_remainder=False)):
+    for start in (0, 2):
+      served = list(loader.epoch(1, start))
+      planned = loader.batch_ids(1, start)
+      assert len(served) == len(planned)
+      for (ids, batch), want in zip(served, planned):
+        np.testing.assert_array_equal(ids, want)
+        np.testing.assert_array_equal(batch['x'], want * 10)
+  last_ids, last = list(Loader(source, 5, shuffle=False, drop_remainder=False).epoch(0))[-1]
+  np.testing.assert_array_equal(last_ids, [20, 21, 22, 20, 21])
+  np.testing.assert_array_equal(last['example_mask'], [1, 1, 1, 0, 0])
