@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 import models
 from experiments import datasets
-from pipejax import checkpoints, freeze, pipeline, reporting, schedule
+from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, schedule
+from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader
 from pipejax.partition import PartitionError
 from pipejax.trainer import Trainer
@@ -56,6 +57,18 @@ def check_config(config, num_devices_available: int) -> None:
   if c.train.batch_mode == 'constant' and c.train.batch_size % n:
     raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of the {n} '
                       f'devices (the frozen prefix and evaluation split it over all of them)')
+  if c.cache.policy not in frozen_prefix.CACHE_POLICIES:
+    raise ConfigError(f'cache.policy must be one of {frozen_prefix.CACHE_POLICIES}, got '
+                      f'{c.cache.policy!r}')
+  if c.cache.dtype not in ('float32', 'bfloat16', 'float16'):
+    raise ConfigError(f"cache.dtype must be 'float32', 'bfloat16' or 'float16', got "
+                      f'{c.cache.dtype!r}')
+  if c.cache.memory_mb < 0 or c.cache.disk_mb < 0:
+    raise ConfigError(f'cache.memory_mb and cache.disk_mb must be >= 0, got '
+                      f'{c.cache.memory_mb} and {c.cache.disk_mb}')
+  if c.cache.on_mismatch not in ('refuse', 'clear'):
+    raise ConfigError(f"cache.on_mismatch must be 'refuse' or 'clear', got "
+                      f'{c.cache.on_mismatch!r}')
   freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
                       c.freeze.min_active_layers)
 
@@ -169,6 +182,8 @@ def run(config, workdir: str | None, task: str) -> dict:
       'final_train_loss': rows[-1]['train_loss'],
       'transitions': [t.__dict__ for t in trainer.transitions],
       'freeze_decisions': [d.__dict__ for d in trainer.policy.state.history],
+      'cache_decisions': [d.__dict__ for d in trainer.prefix.decisions],
+      'cache': trainer.prefix.stats(),
       'micro_batch_timings': {str(k): v for k, v in trainer.micro_batch_timings.items()},
       'final_plan': trainer.plan.describe(),
   }
@@ -180,7 +195,7 @@ def run(config, workdir: str | None, task: str) -> dict:
   return summary
 
 
-KNOWN_ERRORS = (ConfigError, datasets.DatasetMissing, freeze.FreezeConfigError,
+KNOWN_ERRORS = (ConfigError, CacheMismatchError, datasets.DatasetMissing, freeze.FreezeConfigError,
                 pipeline.PlanError, PartitionError, schedule.ScheduleError)
 
 

@@ -65,6 +65,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.freeze.lambda_frozen = 1 / 6
   c.freeze.compress = True
   c.freeze.compile_ahead = True  # compile the predicted next plan while training
+  c.cache = ml_collections.ConfigDict()  # AutoCache of frozen-prefix activations
+  c.cache.enabled = True
+  c.cache.policy = 'profile'  # 'profile': cache a depth when measured faster; 'always'
+  c.cache.dtype = 'float32'  # or 'bfloat16' / 'float16' (half the bytes, rounded)
+  c.cache.memory_mb = 2048.0  # host memory for entries
+  c.cache.disk_mb = 0.0  # then a disk file of up to this size (0: no disk tier)
+  c.cache.directory = ''  # default: <workdir>/cache
+  c.cache.on_mismatch = 'refuse'  # a cache directory of another run: 'refuse' or 'clear'
+  c.cache.accept_reused_augmentation = False  # cache a randomly augmented prefix input anyway
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.enabled = True
   c.checkpoint.keep = 2

@@ -21,7 +21,13 @@ Batch = dict[str, np.ndarray]
 
 
 class ArraySource:
-  """In-memory arrays indexed by sample ID (all arrays share axis 0)."""
+  """In-memory arrays indexed by sample ID (all arrays share axis 0).
+
+  ``randomly_augmented`` (here always False) tells AutoCache whether a
+  sample's input changes from one read to the next.
+  """
+
+  randomly_augmented = False
 
   def __init__(self, arrays: Mapping[str, np.ndarray]):
     sizes = {k: len(v) for k, v in arrays.items()}
@@ -40,8 +46,12 @@ class TfdsSource:
   """A ``tfds.data_source`` (array_record, random access, no TensorFlow)
   mapped example by example through ``transform(example) -> dict``."""
 
-  def __init__(self, data_source, transform: Callable[[dict], Batch]):
+  def __init__(self, data_source, transform: Callable[[dict], Batch],
+               randomly_augmented: bool = False):
+    """``randomly_augmented``: whether ``transform`` draws random
+    augmentations (AutoCache then refuses to cache unless told otherwise)."""
     self.data_source, self.transform = data_source, transform
+    self.randomly_augmented = randomly_augmented
 
   def __len__(self) -> int:
     return len(self.data_source)

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import math
+import os
 import time
 from typing import Any, Callable
 
@@ -25,8 +28,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autodp, autopipe, freeze, pipeline, reporting
+from pipejax import autocache_policy, autodp, autopipe, freeze, pipeline, reporting
 from pipejax import partition as part
+from pipejax.autocache import ActivationCache
+from pipejax.frozen_prefix import FrozenPrefix
 from pipejax.data import Loader
 
 Params = Any
@@ -43,6 +48,7 @@ class Transition:
   reshard_seconds: float
   compile_seconds: float
   compiled_ahead: bool
+  cache_seconds: float = 0.0
 
 
 def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
@@ -105,6 +111,8 @@ class Trainer:
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices)
+    self.prefix = FrozenPrefix(model, self.devices, train_loader.source,
+                               self._make_cache(params), c.cache.policy, log)
     self.profile = autopipe.MicroBatchProfile(
         c.pipeline.profile_path or None,
         {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,
@@ -119,8 +127,6 @@ class Trainer:
     self._steps: dict[pipeline.Plan, Any] = {}
     self._eval = None
     self._executables: dict[pipeline.Plan, Any] = {}
-    self._prefixes: dict[tuple[int, int], Any] = {}
-    self._compiled_prefixes: dict[tuple[int, int], Any] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._ahead = None
     self._trials: dict[int, dict] = {}
@@ -133,6 +139,31 @@ class Trainer:
     self._param_shapes = jax.eval_shape(lambda: params)
     self.plan = self._plan(partition, micro_batches=None, initial=True)
     self.state = self._init_state(params, self.plan)
+
+  def _make_cache(self, params: Params) -> ActivationCache | None:
+    """AutoCache for this run (None when disabled or refused)."""
+    c = self.config.cache
+    if not c.enabled:
+      return None
+    source = self.train_loader.source
+    if not autocache_policy.caching_allowed(getattr(source, 'randomly_augmented', False),
+                                            c.accept_reused_augmentation, self.log):
+      return None
+    sample = source[np.arange(1)]
+    entry = jax.eval_shape(lambda p, b: self.model.hidden_states(p, b, upto_layer=0), params,
+                           {k: sample[k] for k in self.model.input_keys})
+    # Everything that decides the frozen layers' output: the whole config
+    # (training decides the frozen weights), the model and the data.
+    identity = hashlib.sha256(json.dumps(
+        {'config': self.config.to_dict(), 'model': self.model.hf_config.to_dict(),
+         'samples': len(source), 'entry': list(entry.shape[1:])},
+        sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return ActivationCache(
+        identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
+        dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20),
+        disk_bytes=int(c.disk_mb * 2**20),
+        directory=c.directory or os.path.join(self.workdir, 'cache'),
+        on_mismatch=c.on_mismatch, log=self.log)
 
   # -- plans -------------------------------------------------------------------
   def _plan(self, partition: part.Partition, micro_batches: int | None,
@@ -211,27 +242,6 @@ class Trainer:
     return self.portable_state()['params']
 
   # -- compiled steps ------------------------------------------------------------
-  def _prefix_fn(self, plan: pipeline.Plan):
-    """The jitted frozen prefix of ``plan`` (embed and the first F blocks),
-    forward only: ``(frozen, inputs) -> hidden [batch, seq, hidden]``.
-
-    Its input is split over *all* devices (data parallel, better than the
-    paper's prefix on each pipeline's first device); its output comes back
-    split over ``'data'``, as the pipeline reads it. Cached per (F, K).
-    """
-    key = (plan.partition.num_frozen_layers, plan.pipeline_length)
-    if key not in self._prefixes:
-      mesh = self.mesh(plan)
-      depth = plan.partition.num_frozen_layers
-
-      def prefix(frozen, inputs):
-        return jax.lax.stop_gradient(self.model.hidden_states(frozen, inputs, upto_layer=depth))
-
-      self._prefixes[key] = jax.jit(
-          prefix, in_shardings=(NamedSharding(mesh, P()), self._spread(plan)),
-          out_shardings=NamedSharding(mesh, P(pipeline.DATA)))
-    return self._prefixes[key]
-
   def _train_step(self, plan: pipeline.Plan):
     """The jitted train step of ``plan`` (cached; donates the state).
 
@@ -260,30 +270,12 @@ class Trainer:
     self._steps[plan] = fn
     return fn
 
-  def _spread(self, plan: pipeline.Plan) -> NamedSharding:
-    """Split over every device: the frozen prefix's input."""
-    return NamedSharding(self.mesh(plan), P((pipeline.DATA, pipeline.STAGE)))
-
-  def _feed_keys(self) -> tuple[str, ...]:
-    """What the pipeline reads besides ``'hidden'`` when a prefix is frozen."""
-    return tuple(dict.fromkeys(self.model.block_keys + self.model.label_keys +
-                               ('example_mask',)))
-
-  def _feed(self, batch: dict, plan: pipeline.Plan) -> dict:
+  def _feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan) -> dict:
     """The pipeline's input on the devices: the batch, or the frozen prefix's
-    output with the keys every block reads and the labels."""
-    data = NamedSharding(self.mesh(plan), P(pipeline.DATA))
+    output (computed or cached) with the keys blocks and the head read."""
     if plan.partition.has_embed:
-      return jax.device_put(batch, data)
-    inputs = jax.device_put({k: batch[k] for k in self.model.input_keys}, self._spread(plan))
-    prefix = self._compiled_prefixes.get(self._prefix_key(plan)) or self._prefix_fn(plan)
-    hidden = prefix(self.state['frozen'], inputs)
-    rest = jax.device_put({k: batch[k] for k in self._feed_keys() if k in batch}, data)
-    return {'hidden': hidden, **rest}
-
-  @staticmethod
-  def _prefix_key(plan: pipeline.Plan) -> tuple[int, int]:
-    return plan.partition.num_frozen_layers, plan.pipeline_length
+      return jax.device_put(batch, NamedSharding(self.mesh(plan), P(pipeline.DATA)))
+    return self.prefix.feed(sample_ids, batch, plan, self.state['frozen'])
 
   def _state_spec(self) -> dict:
     """The current state as shapes with shardings (to compile against)."""
@@ -342,14 +334,15 @@ class Trainer:
     transition_seconds = 0.0
     last_step = self.config.train.epochs * self.steps_per_epoch
     first_step = int(self.state['step']) if every else 0  # one host sync per epoch
-    for _, batch in loader.epoch(epoch):
+    self.prefix.prefetch(loader.batch_ids(epoch))
+    for sample_ids, batch in loader.epoch(epoch):
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
       fn = self._executables.get(self.plan) or self._train_step(self.plan)
       if timed:  # time this step alone, not the tail of the one before
         jax.block_until_ready(self.state)
       t0 = time.perf_counter()
-      self._run_step(fn, self._feed(batch, self.plan))
+      self._run_step(fn, self._feed(sample_ids, batch, self.plan))
       if timed:
         jax.block_until_ready(self.state['sums'])
         self._record_timing(self.plan, time.perf_counter() - t0)
@@ -404,23 +397,6 @@ class Trainer:
       partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
     return partition
 
-  def _abstract_inputs(self, plan: pipeline.Plan, sample_batch: dict, keys, sharding) -> dict:
-    size = self.batch_size(plan)
-    return {k: jax.ShapeDtypeStruct((size,) + np.shape(sample_batch[k])[1:],
-                                    np.asarray(sample_batch[k]).dtype, sharding=sharding)
-            for k in keys if k in sample_batch}
-
-  def _abstract_feed(self, plan: pipeline.Plan, frozen_shapes, sample_batch: dict):
-    """``(prefix inputs or None, feed)`` as shapes with shardings."""
-    data = NamedSharding(self.mesh(plan), P(pipeline.DATA))
-    if plan.partition.has_embed:
-      return None, self._abstract_inputs(plan, sample_batch, list(sample_batch), data)
-    inputs = self._abstract_inputs(plan, sample_batch, self.model.input_keys, self._spread(plan))
-    hidden = jax.eval_shape(self._prefix_fn(plan), frozen_shapes, inputs)
-    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=data)
-    return inputs, {'hidden': hidden,
-                    **self._abstract_inputs(plan, sample_batch, self._feed_keys(), data)}
-
   def _prepare(self, old: part.Partition, new: part.Partition, plans: list[pipeline.Plan],
                state_shapes: dict, sample_batch: dict):
     """Compiles the move to ``new`` and the train steps of ``plans``."""
@@ -428,9 +404,9 @@ class Trainer:
     move, new_shapes = autodp.relayout_fn(state_shapes, old, new, self.mesh(plans[0]),
                                           self.optimizer.init)
     move = move.lower(state_shapes).compile()
-    inputs, feed = self._abstract_feed(plans[0], new_shapes['frozen'], sample_batch)
-    prefixes = {} if inputs is None else {self._prefix_key(plans[0]): self._prefix_fn(
-        plans[0]).lower(new_shapes['frozen'], inputs).compile()}
+    prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],
+                                         sample_batch, self.batch_size(plans[0]))
+    feed = prefixes.pop('feed')
     steps = {plan: self._train_step(plan).lower(_without_frozen(new_shapes), feed).compile()
              for plan in plans}
     self._portable_fn(new).lower(new_shapes).compile()  # warms the persistent cache
@@ -461,6 +437,11 @@ class Trainer:
     self._ahead = (old, new, self._pool.submit(self._prepare, old, new, plans,
                                                self._state_spec(), sample_batch))
 
+  def _epochs_left(self) -> int:
+    """Whole epochs of training after the current step (at least 1)."""
+    total = self.config.train.epochs * self.steps_per_epoch
+    return max(1, math.ceil((total - int(self.state['step'])) / self.steps_per_epoch))
+
   def maybe_transition(self, epoch: int, sample_batch: dict) -> float:
     """Ends a freeze timestep: decide F, and on a change re-plan, move the
     state and compile (or take what :meth:`prepare_next` compiled). Returns the
@@ -483,22 +464,24 @@ class Trainer:
     if ahead_used:
       move, steps, prefixes, _ = ahead[2].result()  # waits only for what still compiles
     else:
-      move, steps, prefixes, _ = self._prepare(old.partition, new_partition, plans, self._state_spec(),
-                                     sample_batch)
+      move, steps, prefixes, _ = self._prepare(old.partition, new_partition, plans,
+                                               self._state_spec(), sample_batch)
     compile_s = time.perf_counter() - t0
     self._executables.update(steps)
-    self._compiled_prefixes.update(prefixes)
+    self.prefix.adopt(prefixes)
     t0 = time.perf_counter()
     self.state = move(self.state)
     jax.block_until_ready(self.state)
     reshard = time.perf_counter() - t0
     self.plan = plans[0]
     new = self.plan
+    cache_s = self.prefix.change_depth(new, self.state['frozen'], sample_batch,
+                                        self.batch_size(new), self._epochs_left())
     self.transitions.append(Transition(epoch, int(self.state['step']), decision.result,
                                        old.describe(), new.describe(), reshard, compile_s,
-                                       ahead_used))
+                                       ahead_used, cache_s))
     self.log(f'  transition: {old.describe()} -> {new.describe()} (reshard {reshard:.2f}s, '
-             f'compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')
+             f'cache {cache_s:.2f}s, compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')
     return time.perf_counter() - start
 
   def run(self, epochs: int, progress_factory,
@@ -518,6 +501,8 @@ class Trainer:
                        sample_batch)
     finally:
       self._pool.shutdown(wait=False, cancel_futures=True)
+      if self.prefix.cache is not None:
+        self.prefix.cache.close()
     return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - run_start}
 
   def _run_epochs(self, epochs, progress_factory, on_epoch, metrics_log, run_start, by_steps,
@@ -536,12 +521,13 @@ class Trainer:
       plan = self.plan
       row = {'epoch': epoch, 'frozen_layers': plan.partition.num_frozen_layers,
              'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
-             'micro_batches': plan.micro_batches, 'cache': False,
+             'micro_batches': plan.micro_batches, 'cache': self.prefix.use_cache,
              'train_loss': stats['train_loss'], 'train_accuracy': stats['train_accuracy'],
              'eval_accuracy': accuracy, 'epoch_seconds': stats['epoch_seconds'],
              'samples_per_second': stats['samples_per_second'],
              'transition_seconds': transition_seconds, 'eval_seconds': eval_seconds,
              'step': int(self.state['step']), 'stage_sizes': list(plan.partition.stage_sizes)}
+      row.update(self.prefix.stats())
       t0 = time.perf_counter()
       if on_epoch is not None:
         on_epoch(epoch, row, portable)  # checkpoints

@@ -1,0 +1,132 @@
+"""AutoCache benchmark: ``python -m experiments.bench_cache --workdir DIR``.
+
+Runs the main job (``experiments.vit_imagenet``, the embedded default unless
+overrides say otherwise) three ways, one after the other on this machine, each
+in a fresh process:
+
+* ``always``  — caching from the first frozen layer on (``cache.policy=always``);
+* ``profile`` — caching when the profiler measures that it wins (the default);
+* ``off``     — no cache (``cache.enabled=False``).
+
+A first, unreported run of ``off`` warms JAX's persistent compilation cache,
+so no variant pays for compiling programs another one compiled (all three run
+the same programs). Prints a table, writes ``DIR/bench_cache.json`` (per-epoch
+throughput, total seconds, accuracy, cache counters, and the frozen-forward
+time the cache saved) and ``DIR/bench_cache.png``.
+
+Extra arguments are passed to every run, e.g. ``--config.train.epochs=5``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+VARIANTS = {
+    'always': ['--config.cache.policy=always'],
+    'profile': ['--config.cache.policy=profile'],
+    'off': ['--config.cache.enabled=False'],
+}
+
+
+def _run(workdir: str, args: list[str]) -> dict:
+  """One run of the main job; returns its summary and rows."""
+  cmd = [sys.executable, '-m', 'experiments.vit_imagenet', f'--workdir={workdir}', *args]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
+    raise SystemExit(f'error: {" ".join(cmd)} failed: {tail}')
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return {'summary': summary, 'rows': rows}
+
+
+def _forward_saved(summary: dict, rows: list[dict], batch: int) -> float:
+  """Seconds of frozen-prefix forward the cache replaced: every hit or
+  advanced entry saved its share of a batch forward at the depth measured by
+  the profiler, less the time spent reading and writing entries."""
+  forward = {d['num_frozen_layers']: d['forward_seconds'] for d in summary['cache_decisions']}
+  saved, hits_before = 0.0, 0
+  for row in rows:
+    hits = row.get('cache_hits', 0)
+    depth = row['frozen_layers']
+    if depth in forward:
+      saved += (hits - hits_before) / batch * forward[depth]
+    hits_before = hits
+  last = rows[-1]
+  return saved - last.get('cache_read_seconds', 0.0) - last.get('cache_write_seconds', 0.0)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--no-warmup', action='store_true',
+                      help='skip the unreported warm-up run')
+  args, passthrough = parser.parse_known_args(argv)
+  if os.path.exists(args.workdir) and os.listdir(args.workdir):
+    print(f'error: {args.workdir} is not empty; choose a fresh --workdir', file=sys.stderr)
+    return 2
+  os.makedirs(args.workdir, exist_ok=True)
+  if not args.no_warmup:
+    print('warm-up run (not reported) ...', flush=True)
+    _run(os.path.join(args.workdir, 'warmup'), VARIANTS['off'] + passthrough)
+  results = {}
+  for name, extra in VARIANTS.items():
+    print(f'{name} ...', flush=True)
+    results[name] = _run(os.path.join(args.workdir, name), extra + passthrough)
+  off_total = results['off']['summary']['total_seconds']
+  table = []
+  for name, r in results.items():
+    s, rows = r['summary'], r['rows']
+    batch = s['config']['train']['batch_size']
+    table.append({
+        'variant': name, 'total_seconds': s['total_seconds'],
+        'speedup_vs_off': off_total / s['total_seconds'],
+        'final_eval_accuracy': s['final_eval_accuracy'],
+        'train_seconds': sum(row['epoch_seconds'] for row in rows),
+        'samples_per_second': [row['samples_per_second'] for row in rows],
+        'cache_used': [row['cache'] for row in rows],
+        'frozen_layers': [row['frozen_layers'] for row in rows],
+        'forward_seconds_saved': _forward_saved(s, rows, batch) if name != 'off' else 0.0,
+        'repeated_layer_passes': rows[-1].get('cache_repeated_layer_passes', 0),
+        'cache_decisions': s['cache_decisions'],
+    })
+  print(f'{"variant":8} {"total s":>8} {"vs off":>7} {"train s":>8} {"accuracy":>8} '
+        f'{"fwd saved s":>11}  cache per epoch')
+  for t in table:
+    print(f'{t["variant"]:8} {t["total_seconds"]:8.1f} {t["speedup_vs_off"]:6.2f}x '
+          f'{t["train_seconds"]:8.1f} {t["final_eval_accuracy"]:8.4f} '
+          f'{t["forward_seconds_saved"]:11.2f}  '
+          f'{"".join("C" if u else "." for u in t["cache_used"])}')
+  out = {'command': ' '.join(sys.argv), 'passthrough': passthrough, 'rows': table}
+  with open(os.path.join(args.workdir, 'bench_cache.json'), 'w') as f:
+    json.dump(out, f, indent=2)
+  _plot(args.workdir, results)
+  print(f'wrote {args.workdir}/bench_cache.json and bench_cache.png')
+  return 0
+
+
+def _plot(workdir: str, results: dict) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+  for name, r in results.items():
+    rows = r['rows']
+    ax.plot([row['epoch'] for row in rows], [row['samples_per_second'] for row in rows],
+            marker='o', label=f'{name} ({r["summary"]["total_seconds"]:.0f}s)')
+  ax.set_xlabel('epoch')
+  ax.set_ylabel('samples / s')
+  ax.set_title('AutoCache: training throughput per epoch')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, 'bench_cache.png'))
+  plt.close(fig)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,248 @@
+"""The frozen prefix's output for the pipeline: computed or served by AutoCache.
+
+With F > 0 frozen blocks the pipeline's input is the output of the frozen
+prefix (embedding and blocks 0..F−1). :class:`FrozenPrefix` produces it for
+every batch, either
+
+* by running the prefix forward only, data-parallel over *all* devices (one
+  jitted function per depth; the paper ran it on each pipeline's first
+  device), or
+* from the :class:`pipejax.autocache.ActivationCache` (paper §3.4): entries are
+  keyed by sample ID, filled the first time a sample is seen at a depth, and
+  pushed through the newly frozen blocks once at every freeze event
+  (:meth:`FrozenPrefix.change_depth`), so no sample passes a frozen layer
+  twice.
+
+Whether the cache serves a depth is measured, not assumed: at every depth
+change the prefix's forward over one batch is timed against a cache read and
+write of the same batch (:mod:`pipejax.autocache_policy`), and the decision is
+logged with its inputs. ``policy='always'`` caches from the first frozen layer.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from models.layered import LayeredModel
+from pipejax import autocache_policy, pipeline
+from pipejax.autocache import ActivationCache
+
+Params = Any
+CACHE_POLICIES = ('profile', 'always')
+
+
+class FrozenPrefix:
+  """Feeds the pipeline when blocks are frozen (see module docstring).
+
+  Args:
+    model: the layered model.
+    devices: the devices of every mesh.
+    source: the training source (``source[ids]`` gives the keys blocks read,
+      e.g. BERT's ``attention_mask``, when cached entries are advanced).
+    cache: the activation cache, or None to always run the prefix.
+    policy: ``'profile'`` (cache a depth when it measures faster) or
+      ``'always'``.
+    log: one-line messages.
+  """
+
+  def __init__(self, model: LayeredModel, devices, source, cache: ActivationCache | None,
+               policy: str = 'profile', log: Callable[[str], None] = print):
+    if policy not in CACHE_POLICIES:
+      raise ValueError(f'cache.policy must be one of {CACHE_POLICIES}, got {policy!r}')
+    self.model, self.devices, self.source = model, list(devices), source
+    self.cache, self.policy, self.log = cache, policy, log
+    self.use_cache = False
+    self.decisions: list[autocache_policy.CachingDecision] = []
+    self._prefixes: dict[tuple[int, int], Any] = {}
+    self._advances: dict[tuple[int, int, int], Any] = {}
+    self._compiled: dict[tuple, Any] = {}
+
+  # -- compiled functions --------------------------------------------------------
+  def mesh(self, plan: pipeline.Plan):
+    return pipeline.make_mesh(plan.pipeline_length, self.devices)
+
+  def spread(self, plan: pipeline.Plan) -> NamedSharding:
+    """Split over every device: the prefix's input."""
+    return NamedSharding(self.mesh(plan), P((pipeline.DATA, pipeline.STAGE)))
+
+  def data(self, plan: pipeline.Plan) -> NamedSharding:
+    """Split over ``'data'``: what the pipeline reads."""
+    return NamedSharding(self.mesh(plan), P(pipeline.DATA))
+
+  def feed_keys(self) -> tuple[str, ...]:
+    """What the pipeline reads besides ``'hidden'``."""
+    return tuple(dict.fromkeys(self.model.block_keys + self.model.label_keys +
+                               ('example_mask',)))
+
+  @staticmethod
+  def key(plan: pipeline.Plan) -> tuple[int, int]:
+    return plan.partition.num_frozen_layers, plan.pipeline_length
+
+  def prefix_fn(self, plan: pipeline.Plan):
+    """Jitted ``(frozen, inputs) -> hidden [batch, seq, hidden]``: embed and
+    the first F blocks, forward only; input split over all devices, output
+    over ``'data'``. Cached per (F, K)."""
+    key = self.key(plan)
+    if key not in self._prefixes:
+      depth = plan.partition.num_frozen_layers
+
+      def prefix(frozen, inputs):
+        return jax.lax.stop_gradient(self.model.hidden_states(frozen, inputs, upto_layer=depth))
+
+      self._prefixes[key] = jax.jit(
+          prefix, in_shardings=(NamedSharding(self.mesh(plan), P()), self.spread(plan)),
+          out_shardings=self.data(plan))
+    return self._prefixes[key]
+
+  def advance_fn(self, plan: pipeline.Plan, from_depth: int):
+    """Jitted ``(frozen, hidden, extra) -> hidden``: blocks
+    ``from_depth..F−1`` forward only, split over all devices (``extra``
+    holds the keys blocks read). Cached per (from, F, K)."""
+    key = (from_depth,) + self.key(plan)
+    if key not in self._advances:
+      to_depth = plan.partition.num_frozen_layers
+
+      def advance(frozen, hidden, extra):
+        for unit in range(2 * from_depth + 1, 2 * to_depth + 1):
+          hidden = self.model.sublayer(frozen, unit, hidden, extra)
+        return jax.lax.stop_gradient(hidden)
+
+      spread = self.spread(plan)
+      self._advances[key] = jax.jit(
+          advance, in_shardings=(NamedSharding(self.mesh(plan), P()), spread, spread),
+          out_shardings=spread)
+    return self._advances[key]
+
+  def abstract_inputs(self, plan: pipeline.Plan, sample_batch: dict, batch_size: int):
+    """``(prefix inputs, feed)`` of ``plan`` as shapes with shardings."""
+    def shapes(keys, sharding):
+      return {k: jax.ShapeDtypeStruct((batch_size,) + np.shape(sample_batch[k])[1:],
+                                      np.asarray(sample_batch[k]).dtype, sharding=sharding)
+              for k in keys if k in sample_batch}
+    return shapes(self.model.input_keys, self.spread(plan)), shapes(self.feed_keys(),
+                                                                    self.data(plan))
+
+  def compile_ahead(self, plan: pipeline.Plan, from_depth: int, frozen_shapes,
+                    sample_batch: dict, batch_size: int) -> dict:
+    """Compiles the prefix of ``plan`` (and the cache's advance from
+    ``from_depth``); returns ``(kind, key) -> executable`` for :meth:`adopt`
+    and the feed's shapes under ``'feed'``."""
+    inputs, rest = self.abstract_inputs(plan, sample_batch, batch_size)
+    prefix = self.prefix_fn(plan).lower(frozen_shapes, inputs)
+    out = {('prefix', self.key(plan)): prefix.compile()}
+    hidden = prefix.out_info
+    out['feed'] = {'hidden': jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
+                                                  sharding=self.data(plan)), **rest}
+    if self.cache is not None and 0 < from_depth < plan.partition.num_frozen_layers:
+      spread = self.spread(plan)
+      h = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=spread)
+      extra = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=spread)
+               for k, v in inputs.items() if k in self.model.block_keys}
+      out[('advance', (from_depth,) + self.key(plan))] = self.advance_fn(
+          plan, from_depth).lower(frozen_shapes, h, extra).compile()
+    return out
+
+  def adopt(self, compiled: dict) -> None:
+    """Takes executables from :meth:`compile_ahead`."""
+    self._compiled.update({k: v for k, v in compiled.items() if k != 'feed'})
+
+  def _prefix(self, plan):
+    return self._compiled.get(('prefix', self.key(plan))) or self.prefix_fn(plan)
+
+  def _advance(self, plan, from_depth):
+    return (self._compiled.get(('advance', (from_depth,) + self.key(plan))) or
+            self.advance_fn(plan, from_depth))
+
+  # -- per step ----------------------------------------------------------------------
+  def feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan, frozen: Params
+           ) -> dict:
+    """The pipeline's input for one batch of ``plan`` (F > 0): ``'hidden'``
+    ``[batch, seq, hidden]`` and the keys blocks and the head read, on the
+    devices, split over ``'data'``."""
+    data = self.data(plan)
+    rest = jax.device_put({k: batch[k] for k in self.feed_keys() if k in batch}, data)
+
+    def compute(rows=None):
+      inputs = jax.device_put({k: batch[k] for k in self.model.input_keys}, self.spread(plan))
+      hidden = self._prefix(plan)(frozen, inputs)
+      return hidden if rows is None else np.asarray(hidden)[rows]
+
+    if not self.use_cache:
+      return {'hidden': compute(), **rest}
+    hidden = self.cache.fetch(sample_ids, compute,
+                              lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h, d0))
+    return {'hidden': jax.device_put(hidden, data), **rest}
+
+  def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray, from_depth: int,
+                    batch_size: int | None = None) -> np.ndarray:
+    """Cached entries ``hidden [m, seq, hidden]`` pushed from ``from_depth`` to
+    the plan's depth (padded to a whole batch for the compiled shape)."""
+    size = batch_size or self._batch_size
+    m = len(ids)
+    pad = np.concatenate([np.arange(m), np.zeros(size - m, np.int64)]) if m < size else None
+    rows = (lambda a: a[pad]) if pad is not None else (lambda a: a)
+    extra = {}
+    if self.model.block_keys:
+      looked_up = self.source[np.asarray(ids)]
+      extra = {k: rows(np.asarray(looked_up[k])) for k in self.model.block_keys}
+    spread = self.spread(plan)
+    out = self._advance(plan, from_depth)(frozen, jax.device_put(rows(hidden), spread),
+                                          jax.device_put(extra, spread))
+    return np.asarray(out)[:m]
+
+  # -- freeze events -----------------------------------------------------------------
+  def change_depth(self, plan: pipeline.Plan, frozen: Params, sample_batch: dict,
+                   batch_size: int, epochs_ahead: int) -> float:
+    """At a new depth (the first freeze, or a freeze event): decides whether
+    the cache serves it and advances the cached entries once. Returns the
+    seconds spent."""
+    self._batch_size = batch_size
+    if self.cache is None or plan.partition.num_frozen_layers == 0:
+      return 0.0
+    start = time.perf_counter()
+    depth, old = plan.partition.num_frozen_layers, self.cache.depth
+    stats = self.cache.stats()
+    filled = self.use_cache and stats['memory_entries'] + stats['disk_entries'] > 0
+    self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
+    if self.use_cache and filled:
+      self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
+                                                                          d0), batch_size)
+    else:
+      self.cache.advance(depth)
+      self.cache.evict_stale()
+    if not self.use_cache and old != depth:
+      self.cache.clear()
+    return time.perf_counter() - start
+
+  def _decide(self, plan, frozen, sample_batch, epochs_ahead: int, filled: bool) -> bool:
+    depth = plan.partition.num_frozen_layers
+    inputs = jax.device_put({k: sample_batch[k] for k in self.model.input_keys},
+                            self.spread(plan))
+    prefix = self._prefix(plan)
+    jax.block_until_ready(prefix(frozen, inputs))  # warm
+    start = time.perf_counter()
+    hidden = np.asarray(prefix(frozen, inputs))
+    forward = time.perf_counter() - start
+    write, read = self.cache.measure_io(hidden)
+    decision = autocache_policy.decide_caching(depth, forward, read, write, epochs_ahead, filled)
+    self.decisions.append(decision)
+    use = decision.use_cache or self.policy == 'always'
+    self.log('  ' + decision.describe() + (' — policy always: caching' if use and not
+                                           decision.use_cache else ''))
+    return use
+
+  def prefetch(self, batches: list[np.ndarray]) -> None:
+    """Reads the coming batches' disk entries ahead (a no-op unless the cache
+    serves the current depth from a disk tier)."""
+    if self.use_cache and self.cache.disk_bytes:
+      self.cache.prefetch(batches)
+
+  def stats(self) -> dict:
+    """Cache counters for the metrics row (empty without a cache)."""
+    if self.cache is None:
+      return {}
+    return {f'cache_{k}': v for k, v in self.cache.stats().items()}

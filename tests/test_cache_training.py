@@ -1,0 +1,71 @@
+"""AutoCache inside the trainer: the same losses as running the frozen
+prefix, and no sample through a frozen layer twice."""
+import numpy as np
+import pytest
+
+from tests.test_trainer import _Bar, _config, _trainer
+
+
+def _run(cache: str, dtype: str = 'float32', epochs: int = 4, **cache_config):
+  """Per-epoch train losses of an elastic run (schedule α=0.5 on 4 blocks:
+  F = 0, 2, 3, 3) with the cache off, or on from the first frozen block."""
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4,
+                   epochs=epochs)
+  with config.unlocked():
+    config.cache.update(enabled=cache != 'off', policy='always', dtype=dtype, **cache_config)
+  trainer, _ = _trainer(config)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  losses, used = [], []
+  for epoch in range(epochs):
+    losses.append(trainer.train_epoch(epoch, _Bar())['train_loss'])
+    used.append(trainer.prefix.use_cache)
+    if epoch + 1 < epochs:
+      trainer.maybe_transition(epoch, sample)
+  return trainer, np.array(losses), used
+
+
+@pytest.fixture(scope='module')
+def uncached():
+  return _run('off')
+
+
+def test_cached_training_equals_uncached(uncached):
+  plain_trainer, plain, plain_used = uncached
+  trainer, cached, used = _run('on')
+  assert plain_used == [False] * 4 and used == [False, True, True, True]
+  assert [t.frozen_layers for t in trainer.transitions] == [2, 3]
+  # fp32 entries are the prefix's own output, and advanced entries went through
+  # the same blocks: the losses agree to float rounding.
+  np.testing.assert_allclose(cached, plain, rtol=1e-5)
+  assert cached[-1] < cached[0]
+  stats = trainer.prefix.cache.stats()
+  samples = 64
+  # Every sample entered at depth 2 (epoch 1) and was advanced to 3 once:
+  # exactly 3 frozen-block passes each, none repeated; epochs 2-3 were all hits.
+  assert stats['layer_passes'] == samples * 3
+  assert stats['repeated_layer_passes'] == 0
+  assert stats['misses'] == samples and stats['advanced'] == samples
+  assert stats['hits'] == 2 * samples
+  np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 3)
+
+
+def test_bfloat16_entries_bound(uncached):
+  _, plain, _ = uncached
+  _, cached, _ = _run('on', dtype='bfloat16')
+  # bf16 rounds each stored value by ≤ 2^-8 relative; through the remaining
+  # blocks and a few steps this moves the epoch losses by well under 1%.
+  np.testing.assert_allclose(cached, plain, rtol=1e-2)
+  assert not np.array_equal(cached[1:], plain[1:])  # the rounding is real
+
+
+def test_disk_tier_with_prefetch_equals_uncached(uncached, tmp_path):
+  _, plain, _ = uncached
+  # 64 entries of 5x16 float32 (320 bytes): ~20 fit in memory, the rest go to
+  # the disk file, read ahead each epoch.
+  trainer, cached, used = _run('on', memory_mb=8000 / 2**20, disk_mb=1.0,
+                               directory=str(tmp_path / 'cache'))
+  stats = trainer.prefix.cache.stats()
+  assert stats['disk_entries'] > 30 and stats['prefetched'] > 0 and stats['corrupt'] == 0
+  assert stats['peak_bytes_in_memory'] <= 8000
+  np.testing.assert_allclose(cached, plain, rtol=1e-5)
+  assert stats['repeated_layer_passes'] == 0
