@@ -45,11 +45,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.initializer_range = 1.0
   c.train = ml_collections.ConfigDict()
   c.train.epochs = 10
-  c.train.batch_size = 64
+  c.train.batch_size = 32
   c.train.batch_mode = 'constant'  # or 'per_pipeline' (the paper: grows with R)
   c.train.learning_rate = 1e-3
   c.train.weight_decay = 0.05
-  c.train.warmup_epochs = 1.0
+  c.train.warmup_epochs = 0.25  # short: the first freeze decision comes after epoch 0
   c.train.max_steps_per_epoch = 0  # 0: whole epochs; > 0 caps them (smoke runs)
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.initial_length = 8

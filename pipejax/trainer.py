@@ -35,6 +35,7 @@ from pipejax.frozen_prefix import FrozenPrefix
 from pipejax.data import Loader
 
 Params = Any
+PROFILE_ROUNDS = 2  # timed steps per micro-batch candidate
 
 
 @dataclasses.dataclass
@@ -291,9 +292,10 @@ class Trainer:
   def _next_micro_batches(self, plan: pipeline.Plan) -> tuple[int, bool]:
     """M for the next step of ``plan`` and whether to time that step.
 
-    With a new K and no remembered choice, each candidate runs two live
-    training steps (M does not change the maths, only the schedule) and the
-    second, warm one is timed; then the fastest is chosen and remembered.
+    With a new K and no remembered choice, the candidates take turns on live
+    training steps (M does not change the maths, only the schedule): one
+    untimed warm-up round, then ``PROFILE_ROUNDS`` timed ones; the candidate
+    with the fastest step is chosen and remembered.
     """
     k = plan.pipeline_length
     candidates = self.micro_batch_candidates(plan)
@@ -305,19 +307,21 @@ class Trainer:
         self._announced.add(k)
         self.log(f'  micro-batches for K={k}: M={known} (remembered in {self.profile.path})')
       return known, False
-    trial = self._trials.setdefault(k, {'queue': [m for m in candidates for _ in range(2)],
-                                        'timings': {}})
-    m = trial['queue'].pop(0)
-    return m, m not in trial['queue']
+    # Round-robin, so a slow spell of a shared machine hits every candidate:
+    # one untimed warm-up round, then PROFILE_ROUNDS timed rounds.
+    trial = self._trials.setdefault(k, {'queue': [(m, r > 0) for r in range(PROFILE_ROUNDS + 1)
+                                                  for m in candidates], 'timings': {}})
+    return trial['queue'].pop(0)
 
   def _record_timing(self, plan: pipeline.Plan, seconds: float) -> None:
     """Stores a timed step; once every candidate is timed, chooses M."""
     k = plan.pipeline_length
     trial = self._trials[k]
-    trial['timings'][plan.micro_batches] = seconds
+    trial['timings'].setdefault(plan.micro_batches, []).append(seconds)
     if trial['queue']:
       return
-    timings = trial['timings']
+    # The fastest of a candidate's timed steps: interference only adds time.
+    timings = {m: min(t) for m, t in trial['timings'].items()}
     chosen, _ = self.profile.choose(k, list(timings), timings.__getitem__)
     self.micro_batch_timings[k] = dict(timings)
     self._announced.add(k)
