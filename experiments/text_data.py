@@ -104,6 +104,9 @@ def _data_source(name: str, split: str, data_dir: str, builder_module: str):
   # Without TensorFlow tfds imports its builder packages lazily; the builder
   # class registers itself (and its config names) only once imported.
   importlib.import_module(builder_module)
+  from absl import logging as absl_logging  # noqa: PLC0415
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)  # "no dataset_info.json" is our one line
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # tfds raises several types for "not prepared"
@@ -111,6 +114,8 @@ def _data_source(name: str, split: str, data_dir: str, builder_module: str):
         f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
         f'({type(e).__name__}); prepare it with: tfds build {name} '
         f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
+  finally:
+    absl_logging.set_verbosity(verbosity)
 
 
 def _text(value) -> str:
