@@ -88,7 +88,8 @@ def load_tokenizer(path: str):
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
   except (OSError, ValueError, TypeError) as e:
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise TextConfigError(f'cannot load a tokenizer from {path!r}: {detail}') from e
+    raise TextConfigError(f'cannot load a tokenizer from {path!r}: {detail} (a model '
+                          f'without one needs --config.model.tokenizer=<dir>)') from e
   if not tokenizer.is_fast:
     raise TextConfigError(f'the tokenizer of {path!r} is not a fast tokenizer (offsets needed)')
   return tokenizer
