@@ -1,5 +1,9 @@
 """The shared body of the elastic training entry points: resolve data and model
-from the config, run :class:`pipejax.trainer.Trainer`, write the outputs."""
+from the config, run :class:`pipejax.trainer.Trainer`, write the outputs.
+
+``task`` picks the data and model: ``'vit'`` (ImageNet or digits, ViT),
+``'bert_glue'`` (a GLUE classification task, ``FlaxBertForSequenceClassification``)
+or ``'bert_squad'`` (SQuAD v1.1, ``FlaxBertForQuestionAnswering``)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +16,7 @@ import jax
 from tqdm import tqdm
 
 import models
-from experiments import datasets
+from experiments import datasets, text_data, text_eval
 from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, schedule
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader
@@ -73,7 +77,32 @@ def check_config(config, num_devices_available: int) -> None:
                       c.freeze.min_active_layers)
 
 
-def resolve_data(config) -> datasets.Dataset:
+TASKS = ('vit', 'bert_glue', 'bert_squad')
+
+
+def _tokenizer_path(config) -> str:
+  return config.model.tokenizer or config.model.pretrained
+
+
+def resolve_data(config, task: str = 'vit'):
+  """The task's data set (:class:`datasets.Dataset` or
+  :class:`text_data.TextDataset`, with its evaluator for text tasks)."""
+  if task == 'bert_glue':
+    name, _ = text_data.glue_task(config.data.name)
+    data = text_data.glue(config.data.name, _tokenizer_path(config), config.data.max_seq_length,
+                          config.data.data_dir)
+    data.evaluator = text_eval.GlueEvaluator(name, data.eval.arrays['labels'])
+    return data
+  if task == 'bert_squad':
+    if config.data.name != 'squad/v1.1':
+      raise ConfigError(f"data.name must be 'squad/v1.1', got {config.data.name!r}")
+    data, features = text_data.squad(_tokenizer_path(config), config.data.max_seq_length,
+                                     config.data.doc_stride, config.data.data_dir)
+    data.evaluator = text_eval.SquadEvaluator(features, config.data.n_best_size,
+                                              config.data.max_answer_length)
+    return data
+  if task != 'vit':
+    raise ConfigError(f'unknown task {task!r}; expected one of {TASKS}')
   name = config.data.name
   if name == 'digits':
     return datasets.digits(seed=config.seed)
@@ -89,7 +118,42 @@ def resolve_data(config) -> datasets.Dataset:
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
-def resolve_model(config, data: datasets.Dataset) -> models.Created:
+def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Created:
+  """A pretrained BERT (``model.pretrained``) or a randomly initialised preset
+  sized to the tokenizer's vocabulary."""
+  m = config.model
+  if m.pretrained:
+    try:
+      created = models.create(kind, pretrained=m.pretrained, num_labels=data.num_classes)
+    except ValueError as e:
+      raise ConfigError(str(e)) from e
+  else:
+    presets = [k for k, v in models.PRESETS.items() if v[0].startswith('bert')]
+    if m.preset == 'custom':
+      overrides = dict(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                       num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
+                       hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout)
+    elif m.preset in presets:
+      overrides = dict(models.PRESETS[m.preset][1])
+    else:
+      raise ConfigError(f"model.preset must be 'custom' or one of {presets}, got {m.preset!r}")
+    vocab = len(text_data.load_tokenizer(_tokenizer_path(config)))
+    overrides.update(vocab_size=vocab, num_labels=data.num_classes,
+                     max_position_embeddings=max(512, data.max_seq_length))
+    created = models.create(kind, models.config_for(kind, **overrides), seed=config.seed)
+  limit = created.model.hf_config.max_position_embeddings
+  if data.max_seq_length > limit:
+    raise ConfigError(f'data.max_seq_length={data.max_seq_length} exceeds the model\'s '
+                      f'{limit} position embeddings')
+  return created
+
+
+def resolve_model(config, data, task: str = 'vit') -> models.Created:
+  """The task's model: ViT, or BERT with a classification / QA head."""
+  if task == 'bert_glue':
+    return _bert_model(config, data, 'bert-classification')
+  if task == 'bert_squad':
+    return _bert_model(config, data, 'bert-question_answering')
   m = config.model
   if m.pretrained:
     return models.create('vit', pretrained=m.pretrained, num_labels=data.num_classes)
@@ -127,8 +191,8 @@ def run(config, workdir: str | None, task: str) -> dict:
   devices_available = len(jax.devices())
   check_config(config, devices_available)
   devices = jax.devices()[:config.pipeline.devices]
-  data = resolve_data(config)
-  created = resolve_model(config, data)
+  data = resolve_data(config, task)
+  created = resolve_model(config, data, task)
   model = created.model
   if config.freeze.min_active_layers > model.num_layers:
     raise ConfigError(f'freeze.min_active_layers={config.freeze.min_active_layers} exceeds the '
@@ -150,11 +214,11 @@ def run(config, workdir: str | None, task: str) -> dict:
   eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
                        max_steps=cap)
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
-  _log(f'{mode} run: {data.name}, ViT L={model.num_layers} d={model.hf_config.hidden_size}, '
+  _log(f'{mode} run: {data.name}, {_describe(model)}, '
        f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
        f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
   trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
-                    devices=devices, log=_log)
+                    devices=devices, log=_log, evaluator=data.evaluator)
   ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
       config.checkpoint.enabled) else None
 
@@ -179,6 +243,8 @@ def run(config, workdir: str | None, task: str) -> dict:
       'train_seconds': result['seconds'],
       'final_eval_accuracy': rows[-1]['eval_accuracy'],
       'best_eval_accuracy': max(r['eval_accuracy'] for r in rows),
+      'final_eval': {k: v for k, v in rows[-1].items()
+                     if k.startswith('eval_') and k != 'eval_seconds'},
       'final_train_loss': rows[-1]['train_loss'],
       'transitions': [t.__dict__ for t in trainer.transitions],
       'freeze_decisions': [d.__dict__ for d in trainer.policy.state.history],
@@ -188,15 +254,23 @@ def run(config, workdir: str | None, task: str) -> dict:
       'final_plan': trainer.plan.describe(),
   }
   reporting.write_summary(workdir, summary)
-  reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, ViT L={model.num_layers}')
+  reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
   _log(f'done in {summary["total_seconds"]:.1f}s: final eval accuracy '
        f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '
        f'outputs in {workdir}')
   return summary
 
 
-KNOWN_ERRORS = (ConfigError, CacheMismatchError, datasets.DatasetMissing, freeze.FreezeConfigError,
-                pipeline.PlanError, PartitionError, schedule.ScheduleError)
+def _describe(model) -> str:
+  """The model kind and size for log lines and plot titles."""
+  kind = {'vit': 'ViT', 'bert-classification': 'BERT classifier',
+          'bert-question_answering': 'BERT QA'}.get(model.name, model.name)
+  return f'{kind} L={model.num_layers} d={model.hf_config.hidden_size}'
+
+
+KNOWN_ERRORS = (ConfigError, CacheMismatchError, datasets.DatasetMissing,
+                freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
+                schedule.ScheduleError, text_data.TextConfigError)
 
 
 def main(config, workdir: str | None, task: str) -> int:

@@ -89,12 +89,18 @@ class Trainer:
     train_loader, eval_loader: :class:`pipejax.data.Loader`\\ s.
     devices: devices to use (default: all).
     log: a ``print``-like function for one-line progress messages.
+    evaluator: optional ``(trainer, canonical_params) -> dict`` replacing the
+      built-in evaluation (``correct / count`` of the model's loss metrics);
+      it must return ``eval_accuracy`` and may add other ``eval_*`` keys,
+      which go into the epoch's metrics row (e.g. SQuAD's exact match and F1).
   """
 
   def __init__(self, model: LayeredModel, params: Params, config, workdir: str,
                train_loader: Loader, eval_loader: Loader, devices=None,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print,
+               evaluator: Callable[['Trainer', Params], dict] | None = None):
     self.model, self.config, self.workdir = model, config, workdir
+    self.evaluator = evaluator
     self.train_loader, self.eval_loader = train_loader, eval_loader
     self.devices = list(jax.devices() if devices is None else devices)
     self.log = log
@@ -367,25 +373,31 @@ class Trainer:
             'transition_seconds': transition_seconds,
             'samples_per_second': steps * loader.batch_size / seconds}
 
-  def evaluate(self, params: Params | None = None) -> float:
-    """Accuracy on the eval loader.
+  def evaluate(self, params: Params | None = None) -> dict[str, float]:
+    """Evaluation metrics, at least ``{'eval_accuracy': ...}``, on the eval
+    loader (or from the ``evaluator`` given to the constructor).
 
     Evaluation runs the canonical parameters data-parallel over all devices
     (one compiled function for the whole run, whatever the plan), so a
     transition never pays for compiling an evaluation step.
     """
+    params = self.canonical_params() if params is None else params
+    if self.evaluator is not None:
+      metrics = dict(self.evaluator(self, params))
+      if 'eval_accuracy' not in metrics:
+        raise ValueError(f'the evaluator returned no eval_accuracy: {sorted(metrics)}')
+      return metrics
     flat = self._flat_mesh
     if self._eval is None:
       self._eval = jax.jit(lambda p, b: self.model.loss(p, b)[1],
                            in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))))
-    params = self.canonical_params() if params is None else params
     loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
     correct = count = 0.0
     for _, batch in loader.epoch(0):
       metrics = self._eval(params, jax.device_put(batch, NamedSharding(flat, P('batch'))))
       correct += float(metrics['correct'])
       count += float(metrics['count'])
-    return correct / max(count, 1.0)
+    return {'eval_accuracy': correct / max(count, 1.0)}
 
   def _partition_after(self, num_frozen: int) -> part.Partition:
     """AutoPipe's partition once ``num_frozen`` blocks are frozen."""
@@ -520,14 +532,15 @@ class Trainer:
       transition_seconds += stats['transition_seconds']
       t0 = time.perf_counter()
       portable = self.portable_state()
-      accuracy = self.evaluate(portable['params'])
+      eval_metrics = self.evaluate(portable['params'])
+      accuracy = eval_metrics['eval_accuracy']
       eval_seconds = time.perf_counter() - t0
       plan = self.plan
       row = {'epoch': epoch, 'frozen_layers': plan.partition.num_frozen_layers,
              'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
              'micro_batches': plan.micro_batches, 'cache': self.prefix.use_cache,
              'train_loss': stats['train_loss'], 'train_accuracy': stats['train_accuracy'],
-             'eval_accuracy': accuracy, 'epoch_seconds': stats['epoch_seconds'],
+             **eval_metrics, 'epoch_seconds': stats['epoch_seconds'],
              'samples_per_second': stats['samples_per_second'],
              'transition_seconds': transition_seconds, 'eval_seconds': eval_seconds,
              'step': int(self.state['step']), 'stage_sizes': list(plan.partition.stage_sizes)}
@@ -538,7 +551,9 @@ class Trainer:
       row['checkpoint_seconds'] = time.perf_counter() - t0
       row['wall_seconds'] = time.perf_counter() - run_start
       metrics_log.append(row)
-      self.log(f'epoch {epoch}: loss {row["train_loss"]:.4f} eval acc {accuracy:.4f} '
+      extra = ''.join(f' {k[len("eval_"):]} {v:.4f}' for k, v in eval_metrics.items()
+                      if k != 'eval_accuracy' and isinstance(v, float))
+      self.log(f'epoch {epoch}: loss {row["train_loss"]:.4f} eval acc {accuracy:.4f}{extra} '
                f'F={row["frozen_layers"]} K={row["pipeline_length"]} R={row["replicas"]} '
                f'M={row["micro_batches"]} {row["epoch_seconds"]:.1f}s '
                f'({row["samples_per_second"]:.0f} samples/s)')

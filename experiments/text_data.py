@@ -1,0 +1,295 @@
+"""Text data sets of the BERT experiments: GLUE and SQuAD v1.1 from TFDS
+(array_record, read with ``tfds.data_source``, no TensorFlow), tokenized once
+with the model's own HF tokenizer into in-memory arrays served by
+:class:`pipejax.data.ArraySource`.
+
+Every batch holds ``input_ids``, ``attention_mask`` and ``token_type_ids``
+``[batch, max_seq_length]`` (int32) plus the labels: ``labels [batch]`` for
+GLUE, ``start_positions`` and ``end_positions [batch]`` for SQuAD training.
+SQuAD evaluation features keep their example and character offsets on the
+host (:class:`SquadFeatures`), never in the batch fed to the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import numpy as np
+
+from experiments.datasets import DatasetMissing
+from pipejax.data import ArraySource
+
+
+class TextConfigError(ValueError):
+  """A text task, tokenizer or sequence setting the run cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GlueTask:
+  """One GLUE classification task: its text features, classes and eval split."""
+  features: tuple[str, ...]
+  num_classes: int
+  eval_split: str = 'validation'
+
+
+#: GLUE classification tasks (the test splits have no labels: -1).
+GLUE_TASKS = {
+    'cola': GlueTask(('sentence',), 2),
+    'sst2': GlueTask(('sentence',), 2),
+    'mrpc': GlueTask(('sentence1', 'sentence2'), 2),
+    'qqp': GlueTask(('question1', 'question2'), 2),
+    'mnli': GlueTask(('premise', 'hypothesis'), 3, 'validation_matched'),
+    'qnli': GlueTask(('question', 'sentence'), 2),
+    'rte': GlueTask(('sentence1', 'sentence2'), 2),
+    'wnli': GlueTask(('sentence1', 'sentence2'), 2),
+}
+
+
+@dataclasses.dataclass
+class TextDataset:
+  """A tokenized text data set.
+
+  Attributes:
+    name: the TFDS name, e.g. ``'glue/sst2'``.
+    train, eval: sources of model inputs and labels (eval of SQuAD: inputs only).
+    num_classes: classifier outputs (2 for SQuAD: start and end logits).
+    max_seq_length: the padded sequence length.
+    evaluator: ``(trainer, canonical_params) -> dict`` for the trainer, or None.
+  """
+  name: str
+  train: Any
+  eval: Any
+  num_classes: int
+  max_seq_length: int
+  evaluator: Callable | None = None
+
+
+def glue_task(name: str) -> tuple[str, GlueTask]:
+  """``'glue/sst2'`` or ``'sst2'`` → ``('sst2', GlueTask)``; one-line errors."""
+  task = name[len('glue/'):] if name.startswith('glue/') else name
+  if task == 'stsb':
+    raise TextConfigError('glue/stsb is a regression task (Pearson/Spearman correlation); '
+                          f'bert_glue trains classifiers: use one of {sorted(GLUE_TASKS)}')
+  if task not in GLUE_TASKS:
+    raise TextConfigError(f'unknown GLUE task {name!r}; expected glue/<task> with task one of '
+                          f'{sorted(GLUE_TASKS)}')
+  return task, GLUE_TASKS[task]
+
+
+def load_tokenizer(path: str):
+  """The fast HF tokenizer of a model directory or HF cache name."""
+  if not path:
+    raise TextConfigError('a BERT run needs a tokenizer: set --config.model.pretrained=<local '
+                          'dir or HF cache name> (weights and tokenizer), or '
+                          '--config.model.tokenizer=<dir> for a randomly initialised preset')
+  from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import kept local
+  try:
+    tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
+  except (OSError, ValueError, TypeError) as e:
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise TextConfigError(f'cannot load a tokenizer from {path!r}: {detail} (a model '
+                          f'without one needs --config.model.tokenizer=<dir>)') from e
+  if not tokenizer.is_fast:
+    raise TextConfigError(f'the tokenizer of {path!r} is not a fast tokenizer (offsets needed)')
+  return tokenizer
+
+
+def _data_source(name: str, split: str, data_dir: str, builder_module: str):
+  """``tfds.data_source(name, split)`` without downloading; DatasetMissing if absent."""
+  try:
+    import tensorflow_datasets as tfds  # noqa: PLC0415
+  except ImportError as e:
+    raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed ({e}); '
+                         f'pip install -r requirements.txt') from e
+  # Without TensorFlow tfds imports its builder packages lazily; the builder
+  # class registers itself (and its config names) only once imported.
+  importlib.import_module(builder_module)
+  from absl import logging as absl_logging  # noqa: PLC0415
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)  # "no dataset_info.json" is our one line
+  try:
+    return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+  except Exception as e:  # tfds raises several types for "not prepared"
+    raise DatasetMissing(
+        f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
+        f'({type(e).__name__}); prepare it with: tfds build {name} '
+        f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
+  finally:
+    absl_logging.set_verbosity(verbosity)
+
+
+def _text(value) -> str:
+  return value.decode('utf-8') if isinstance(value, bytes) else str(value)
+
+
+def _examples(source, chunk: int = 4096) -> list[dict]:
+  """Every example of a data source, read in chunks (random access)."""
+  out = []
+  batched = hasattr(source, '__getitems__')
+  for start in range(0, len(source), chunk):
+    ids = list(range(start, min(start + chunk, len(source))))
+    if batched:
+      try:
+        out.extend(source.__getitems__(ids))
+        continue
+      except TypeError:  # tfds.testing.mock_data's sources read one record at a time
+        batched = False
+    out.extend(source[i] for i in ids)
+  return out
+
+
+def _encode(tokenizer, columns: list[list[str]], max_seq_length: int) -> dict[str, np.ndarray]:
+  enc = tokenizer(*columns, padding='max_length', truncation=True, max_length=max_seq_length,
+                  return_token_type_ids=True, return_attention_mask=True)
+  return {k: np.asarray(enc[k], np.int32)
+          for k in ('input_ids', 'attention_mask', 'token_type_ids')}
+
+
+def check_lengths(max_seq_length: int, doc_stride: int | None = None) -> None:
+  """One-line errors for sequence settings no tokenizer can honour."""
+  if max_seq_length < 8:
+    raise TextConfigError(f'data.max_seq_length must be >= 8, got {max_seq_length}')
+  if doc_stride is not None and not 0 < doc_stride < max_seq_length:
+    raise TextConfigError(f'data.doc_stride must be in (0, max_seq_length={max_seq_length}), '
+                          f'got {doc_stride}')
+
+
+def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextDataset:
+  """A GLUE classification task (train, and validation for evaluation).
+
+  ``tokenizer`` is an HF fast tokenizer, or the path to load one from once
+  the data set is found (so a missing data set is reported first). Pair tasks encode ``[CLS] a [SEP] b [SEP]`` with ``token_type_ids`` 0/1;
+  pairs longer than ``max_seq_length`` are truncated longest-first. Examples
+  without a label (-1) are dropped.
+  """
+  task, spec = glue_task(name)
+  check_lengths(max_seq_length)
+  tfds_name = f'glue/{task}'
+  sources = {split: _data_source(tfds_name, split, data_dir, 'tensorflow_datasets.text.glue')
+             for split in ('train', spec.eval_split)}
+  tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+  out = {}
+  for split, source in sources.items():
+    examples = [e for e in _examples(source) if int(e['label']) >= 0]
+    if not examples:
+      raise DatasetMissing(f'{tfds_name} split {split!r} has no labelled examples')
+    columns = [[_text(e[f]) for e in examples] for f in spec.features]
+    arrays = _encode(tokenizer, columns, max_seq_length)
+    arrays['labels'] = np.asarray([int(e['label']) for e in examples], np.int32)
+    out[split] = ArraySource(arrays)
+  return TextDataset(tfds_name, out['train'], out[spec.eval_split], spec.num_classes,
+                     max_seq_length)
+
+
+@dataclasses.dataclass
+class SquadFeatures:
+  """Host-side view of SQuAD evaluation features (several per long context).
+
+  Attributes:
+    example_index: ``[features]`` the example each feature comes from.
+    offsets: ``[features, seq, 2]`` character span of each token in the
+      context; ``-1`` for question, special and padding tokens.
+    contexts: the context of every example.
+    answers: the gold answer texts of every example.
+    ids: the SQuAD question IDs.
+  """
+  example_index: np.ndarray
+  offsets: np.ndarray
+  contexts: list[str]
+  answers: list[list[str]]
+  ids: list[str]
+
+
+def _tokenize_squad(tokenizer, examples, max_seq_length: int, doc_stride: int):
+  questions = [_text(e['question']).lstrip() for e in examples]
+  contexts = [_text(e['context']) for e in examples]
+  pad_right = tokenizer.padding_side == 'right'
+  if not pad_right:
+    raise TextConfigError('SQuAD features need a right-padding tokenizer (question first)')
+  try:
+    enc = tokenizer(questions, contexts, truncation='only_second', max_length=max_seq_length,
+                    stride=doc_stride, return_overflowing_tokens=True,
+                    return_offsets_mapping=True, padding='max_length',
+                    return_token_type_ids=True, return_attention_mask=True)
+  except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
+    raise TextConfigError(f'cannot split SQuAD contexts with max_seq_length={max_seq_length}, '
+                          f'doc_stride={doc_stride}: {str(e).splitlines()[0]} (a question '
+                          f'leaves no room; raise max_seq_length or lower doc_stride)') from e
+  return enc, contexts
+
+
+def _answer(example) -> tuple[list[str], list[int]]:
+  answers = example['answers']
+  texts = [_text(t) for t in np.atleast_1d(answers['text'])]
+  starts = [int(s) for s in np.atleast_1d(answers['answer_start'])]
+  return texts, starts
+
+
+def squad_train_features(tokenizer, examples, max_seq_length: int,
+                         doc_stride: int) -> dict[str, np.ndarray]:
+  """Training features (HF ``run_qa`` style): each context split into windows
+  of ``max_seq_length`` tokens overlapping by ``doc_stride``; the answer's
+  token span is the label, or ``[CLS]`` (0, 0) when the window misses it."""
+  enc, _ = _tokenize_squad(tokenizer, examples, max_seq_length, doc_stride)
+  starts, ends = [], []
+  for i, offsets in enumerate(enc['offset_mapping']):
+    cls = enc['input_ids'][i].index(tokenizer.cls_token_id)
+    sequence_ids = enc.sequence_ids(i)
+    texts, answer_starts = _answer(examples[enc['overflow_to_sample_mapping'][i]])
+    context = [t for t, s in enumerate(sequence_ids) if s == 1]
+    start = end = cls
+    if texts and answer_starts and context:
+      start_char = answer_starts[0]
+      end_char = start_char + len(texts[0])
+      first, last = context[0], context[-1]
+      if offsets[first][0] <= start_char and offsets[last][1] >= end_char:
+        start = first
+        while start <= last and offsets[start][0] <= start_char:
+          start += 1
+        start -= 1
+        end = last
+        while end >= first and offsets[end][1] >= end_char:
+          end -= 1
+        end += 1
+    starts.append(start)
+    ends.append(end)
+  arrays = {k: np.asarray(enc[k], np.int32)
+            for k in ('input_ids', 'attention_mask', 'token_type_ids')}
+  arrays['start_positions'] = np.asarray(starts, np.int32)
+  arrays['end_positions'] = np.asarray(ends, np.int32)
+  return arrays
+
+
+def squad_eval_features(tokenizer, examples, max_seq_length: int,
+                        doc_stride: int) -> tuple[dict[str, np.ndarray], SquadFeatures]:
+  """Evaluation features: model inputs, and on the host each feature's
+  example and the context character offsets of its tokens."""
+  enc, contexts = _tokenize_squad(tokenizer, examples, max_seq_length, doc_stride)
+  offsets = np.full((len(enc['input_ids']), max_seq_length, 2), -1, np.int32)
+  for i, pairs in enumerate(enc['offset_mapping']):
+    in_context = np.asarray([s == 1 for s in enc.sequence_ids(i)])
+    offsets[i][in_context] = np.asarray(pairs, np.int32)[in_context]
+  arrays = {k: np.asarray(enc[k], np.int32)
+            for k in ('input_ids', 'attention_mask', 'token_type_ids')}
+  host = SquadFeatures(np.asarray(enc['overflow_to_sample_mapping'], np.int64), offsets, contexts,
+                       [_answer(e)[0] for e in examples], [_text(e['id']) for e in examples])
+  return arrays, host
+
+
+def squad(tokenizer, max_seq_length: int, doc_stride: int,
+          data_dir: str = '') -> tuple[TextDataset, SquadFeatures]:
+  """SQuAD v1.1: training features and evaluation features (validation).
+
+  ``tokenizer`` as in :func:`glue`."""
+  check_lengths(max_seq_length, doc_stride)
+  name = 'squad/v1.1'
+  module = 'tensorflow_datasets.question_answering.squad'
+  train_source = _data_source(name, 'train', data_dir, module)
+  eval_source = _data_source(name, 'validation', data_dir, module)
+  tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+  train = squad_train_features(tokenizer, _examples(train_source), max_seq_length, doc_stride)
+  eval_arrays, host = squad_eval_features(tokenizer, _examples(eval_source), max_seq_length,
+                                          doc_stride)
+  return (TextDataset(name, ArraySource(train), ArraySource(eval_arrays), 2, max_seq_length),
+          host)

@@ -1,0 +1,251 @@
+"""BERT on GLUE and SQuAD: the official SQuAD metric and post-processing on
+hand-computed cases, the SQuAD window labels, the real TFDS loading path on
+``tfds.testing.mock_data`` through the CLI's run, and one-line errors.
+
+``tfds.testing.mock_data`` works without TensorFlow with
+``policy=MockPolicy.USE_CODE`` once the builder module is imported (tfds
+imports its builder packages lazily without TensorFlow, so ``glue`` and
+``squad`` are unknown names until then; :mod:`experiments.text_data` imports
+them). Its sources do not support batched reads (``__getitems__`` fails) and
+its SQuAD answers are random strings with ``answer_start`` beyond the
+context, so most SQuAD windows are labelled with ``[CLS]``.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import bert_glue, bert_squad, elastic, text_data, text_eval
+from tests import fixtures
+
+ROWS = ('epoch', 'frozen_layers', 'pipeline_length', 'replicas', 'micro_batches', 'cache',
+        'train_loss', 'eval_accuracy', 'epoch_seconds', 'samples_per_second',
+        'transition_seconds')
+
+
+# -- SQuAD metric and post-processing --------------------------------------------------------
+
+def test_normalize_answer_official_rules():
+  assert text_eval.normalize_answer('The  Eiffel Tower!') == 'eiffel tower'
+  assert text_eval.normalize_answer('an apple, a pear and THE plum.') == 'apple pear and plum'
+  assert text_eval.normalize_answer("Theatre's") == 'theatres'  # 'the' only as a word
+  assert text_eval.normalize_answer('  ') == ''
+
+
+def test_exact_match_and_f1_hand_computed():
+  assert text_eval.exact_match('the Denver Broncos', 'Denver Broncos!') == 1.0
+  assert text_eval.exact_match('Denver', 'Denver Broncos') == 0.0
+  # prediction 'denver broncos win', gold 'broncos': common 1, P = 1/3, R = 1 -> F1 = 0.5.
+  assert text_eval.f1_score('Denver Broncos win', 'the Broncos') == pytest.approx(0.5)
+  # common {a:..} after normalisation: 'x y y' vs 'y y z': common y×2, P = R = 2/3.
+  assert text_eval.f1_score('x y y', 'y y z') == pytest.approx(2 / 3)
+  assert text_eval.f1_score('nothing', 'else') == 0.0
+  scores = text_eval.squad_scores(
+      {'q1': 'Denver Broncos', 'q2': 'Broncos win', 'q3': ''},
+      {'q1': ['Carolina', 'the Denver Broncos'], 'q2': ['Broncos', 'they win'], 'q3': ['x']})
+  # q1: EM 1, F1 1; q2: EM 0, F1 max(2/3, 0.5) = 2/3; q3: 0, 0.
+  assert scores['exact_match'] == pytest.approx(100 / 3)
+  assert scores['f1'] == pytest.approx(100 * (1 + 2 / 3) / 3)
+
+
+def _offsets(seq, context_from):
+  """Token t >= context_from covers characters [2(t-c), 2(t-c)+1); others -1."""
+  out = np.full((seq, 2), -1, np.int32)
+  for t in range(context_from, seq):
+    out[t] = (2 * (t - context_from), 2 * (t - context_from) + 1)
+  return out
+
+
+def test_best_span_respects_context_order_and_length():
+  seq = 8
+  offsets = _offsets(seq, 3)  # tokens 0-2: [CLS] question [SEP]; 3-7: context
+  start, end = np.zeros(seq), np.zeros(seq)
+  start[1], end[1] = 10.0, 10.0  # spans from the question are invalid
+  start[5], end[6], end[5] = 4.0, 4.0, 1.0
+  # Best valid: tokens 5..6, score 8, characters [4, 7).
+  assert text_eval.best_span(start, end, offsets) == (8.0, 4, 7)
+  # At most one token: (5, 5) scores 5, (6, 6) only 4.
+  assert text_eval.best_span(start, end, offsets, max_answer_length=1) == (5.0, 4, 5)
+  start, end = np.zeros(seq), np.zeros(seq)
+  start[6], end[4], start[3] = 6.0, 6.0, 1.0
+  # (6, 4) ends before it starts; (3, 4) scores 7 > (6, 6) at 6.
+  assert text_eval.best_span(start, end, offsets) == (7.0, 0, 3)
+  # n_best=1 pairs only the top start (6) with the top end (4): nothing valid.
+  assert text_eval.best_span(start, end, offsets, n_best=1) is None
+
+
+def test_squad_predictions_take_the_best_feature_of_each_example():
+  seq = 6
+  features = text_data.SquadFeatures(
+      example_index=np.array([0, 0, 1]), offsets=np.stack([_offsets(seq, 2)] * 3),
+      contexts=['abcdefgh', 'ABCDEFGH'], answers=[['cd'], ['zz']], ids=['a', 'b'])
+  start = np.zeros((3, seq))
+  end = np.zeros((3, seq))
+  start[0, 2], end[0, 2] = 1.0, 1.0  # example 0, feature 0: 'a' (score 2)
+  start[1, 3], end[1, 4] = 2.0, 2.0  # example 0, feature 1: 'cde' (score 4) wins
+  # Example 1: the top start (5) and top end (4) are reversed, and (5, 5) has
+  # end logit -20, so the best valid span is token 4 alone: 1 + 9.
+  start[2, 5], end[2, 4], end[2, 5], start[2, 4] = 9.0, 9.0, -20.0, 1.0
+  predictions = text_eval.squad_predictions(features, np.array([0, 1, 2]), start, end)
+  assert predictions == {'a': 'cde', 'b': 'E'}
+  # Rows follow feature_ids: only feature 2 served -> only example 1.
+  assert text_eval.squad_predictions(features, np.array([2]), start[2:], end[2:]) == {'b': 'E'}
+
+
+def test_squad_windows_label_the_answer_tokens():
+  tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  context = ('Paris is the capital of France. ' * 6 + 'The Eiffel Tower was built in 1889 '
+             'by Gustave Eiffel. ' + 'Lyon is a city. ' * 6)
+  answer = 'Gustave Eiffel'
+  example = {'id': 'q', 'question': ' Who built the tower?', 'context': context,
+             'answers': {'text': np.array([answer]),
+                         'answer_start': np.array([context.index(answer)])}}
+  train = text_data.squad_train_features(tokenizer, [example], 48, 16)
+  assert len(train['input_ids']) > 2  # the context needs several windows
+  hits = 0
+  for ids, s, e in zip(train['input_ids'], train['start_positions'], train['end_positions']):
+    if s == 0:
+      assert e == 0  # [CLS]: this window misses the answer
+      continue
+    hits += 1
+    assert tokenizer.decode(ids[s:e + 1]) == answer.lower()
+  assert hits >= 1
+  inputs, host = text_data.squad_eval_features(tokenizer, [example], 48, 16)
+  assert inputs['input_ids'].shape == (len(host.example_index), 48)
+  assert set(inputs) == {'input_ids', 'attention_mask', 'token_type_ids'}  # no host data
+  for f, ids in enumerate(inputs['input_ids']):
+    in_context = host.offsets[f, :, 0] >= 0
+    assert np.all(inputs['token_type_ids'][f][in_context] == 1)
+    assert tokenizer.cls_token_id not in ids[in_context]
+
+
+# -- the real loading path on mocked TFDS -----------------------------------------------------
+
+def _tiny(config, tmp_path, **overrides):
+  with config.unlocked():
+    config.model.update(pretrained='', tokenizer=fixtures.minilm_dir(), preset='custom',
+                        hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64,
+                        dropout=0.0)
+    config.train.update(epochs=2, batch_size=16, max_steps_per_epoch=2, learning_rate=1e-3)
+    config.pipeline.update(initial_length=4, micro_batches=4,
+                           profile_path=str(tmp_path / 'profile.json'))
+    config.freeze.update(policy='schedule', alpha=0.5)
+    for key, value in overrides.items():
+      node = config
+      *path, leaf = key.split('.')
+      for p in path:
+        node = node[p]
+      node[leaf] = value
+  return config
+
+
+def _check_outputs(workdir, epochs):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  assert len(rows) == epochs
+  for row in rows:
+    assert set(ROWS) <= set(row)
+    assert np.isfinite(row['train_loss'])
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
+  for key in ('mode', 'config', 'total_seconds', 'final_eval_accuracy', 'best_eval_accuracy',
+              'transitions', 'final_eval'):
+    assert key in summary
+  assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
+  assert os.listdir(os.path.join(workdir, 'checkpoints'))
+  return rows, summary
+
+
+def test_glue_pair_task_tokenized_from_mock_tfds():
+  tfds = pytest.importorskip('tensorflow_datasets')
+  tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  with tfds.testing.mock_data(num_examples=12, policy=tfds.testing.MockPolicy.USE_CODE):
+    data = text_data.glue('glue/mnli', tokenizer, 24)
+  assert data.num_classes == 3 and len(data.train) == len(data.eval) == 12
+  arrays = data.train.arrays
+  assert set(arrays) == {'input_ids', 'attention_mask', 'token_type_ids', 'labels'}
+  assert all(v.dtype == np.int32 and len(v) == 12 for v in arrays.values())
+  assert arrays['input_ids'].shape == (12, 24)
+  # Premise then hypothesis: segment 1 follows segment 0 in every row.
+  assert np.all(arrays['token_type_ids'].max(axis=1) == 1)
+  assert set(np.unique(arrays['labels'])) <= {0, 1, 2}
+
+
+def test_bert_glue_sst2_on_mock_tfds(tmp_path):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  config = _tiny(bert_glue.get_config(), tmp_path, **{'data.max_seq_length': 16})
+  workdir = str(tmp_path / 'glue')
+  with tfds.testing.mock_data(num_examples=48, policy=tfds.testing.MockPolicy.USE_CODE):
+    summary = elastic.run(config, workdir, task='bert_glue')
+  assert summary['data'] == 'glue/sst2'
+  rows, _ = _check_outputs(workdir, 2)
+  assert rows[0]['frozen_layers'] == 0 and rows[1]['frozen_layers'] == 2
+  assert 0.0 <= rows[1]['eval_accuracy'] <= 1.0
+
+
+def test_bert_squad_on_mock_tfds(tmp_path):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  config = _tiny(bert_squad.get_config(), tmp_path,
+                 **{'data.max_seq_length': 32, 'data.doc_stride': 8})
+  workdir = str(tmp_path / 'squad')
+  with tfds.testing.mock_data(num_examples=32, policy=tfds.testing.MockPolicy.USE_CODE):
+    summary = elastic.run(config, workdir, task='bert_squad')
+  assert summary['data'] == 'squad/v1.1'
+  rows, saved = _check_outputs(workdir, 2)
+  for row in rows:
+    assert 0.0 <= row['eval_exact_match'] <= row['eval_f1'] <= 100.0
+    assert row['eval_accuracy'] == pytest.approx(row['eval_f1'] / 100)
+    assert row['eval_questions'] >= 1
+  assert set(saved['final_eval']) >= {'eval_accuracy', 'eval_exact_match', 'eval_f1'}
+  assert rows[1]['frozen_layers'] == 2
+
+
+# -- bad input: one line, exit code 2 ---------------------------------------------------------
+
+@pytest.mark.parametrize('module,args,message', [
+    ('bert_glue', ['--config.data.name=glue/nope'], "unknown GLUE task 'glue/nope'"),
+    ('bert_glue', ['--config.data.name=glue/stsb'], 'glue/stsb is a regression task'),
+    ('bert_glue', [], 'glue/sst2 is not prepared for TFDS in the default data dir'),
+    ('bert_glue', ['--config.data.data_dir=/nonexistent'],
+     'prepare it with: tfds build glue/sst2 --file_format=array_record --data_dir=/nonexistent'),
+    ('bert_squad', [], 'prepare it with: tfds build squad/v1.1 --file_format=array_record'),
+    ('bert_squad', ['--config.data.data_dir=/nonexistent'],
+     'prepare it with: tfds build squad/v1.1 --file_format=array_record'),
+    ('bert_squad', ['--config.data.doc_stride=400'], 'data.doc_stride must be in (0, '),
+    ('bert_squad', ['--config.data.name=squad/v2.0'], "data.name must be 'squad/v1.1'"),
+    ('bert_glue', ['--config.model.no_such_key=1'], 'no_such_key'),
+])
+def test_bad_input_is_one_line(tmp_path, module, args, message):
+  # An empty default TFDS data dir: the commands with no arguments find no data set.
+  env = {**os.environ, 'TFDS_DATA_DIR': str(tmp_path / 'tfds')}
+  out = subprocess.run([sys.executable, '-m', f'experiments.{module}',
+                        f'--workdir={tmp_path / "w"}', *args],
+                       capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 2
+  assert message in out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1
+  assert 'Traceback' not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'model.pretrained': '', 'model.tokenizer': ''}, 'a BERT run needs a tokenizer'),
+    ({'model.pretrained': '', 'model.tokenizer': '/nonexistent/tok'},
+     "cannot load a tokenizer from '/nonexistent/tok'"),
+    ({'model.pretrained': '/nonexistent/bert', 'model.tokenizer': ''},
+     "cannot load a tokenizer from '/nonexistent/bert'"),
+    ({'model.pretrained': '/nonexistent/bert'}, "cannot load pretrained model from '/nonexistent"),
+    ({'model.preset': 'bert-huge'}, "model.preset must be 'custom' or one of"),
+    ({'data.max_seq_length': 600, 'model.pretrained': fixtures.minilm_dir()},
+     "data.max_seq_length=600 exceeds the model's 512 position embeddings"),
+])
+def test_bad_model_input_is_one_line(tmp_path, capsys, overrides, message):
+  """With the data set present (mocked), model and tokenizer errors are one line too."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  config = _tiny(bert_glue.get_config(), tmp_path, **{'data.max_seq_length': 16, **overrides})
+  with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+    code = elastic.main(config, str(tmp_path / 'w'), task='bert_glue')
+  err = capsys.readouterr().err
+  assert code == 2 and message in err and len(err.strip().splitlines()) == 1
