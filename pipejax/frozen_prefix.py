@@ -20,6 +20,9 @@ logged with its inputs. ``policy='always'`` caches from the first frozen layer.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from typing import Any, Callable
 
@@ -246,3 +249,29 @@ class FrozenPrefix:
     if self.cache is None:
       return {}
     return {f'cache_{k}': v for k, v in self.cache.stats().items()}
+
+
+def make_cache(config, model: LayeredModel, source, params: Params, workdir: str,
+               log: Callable[[str], None] = print) -> ActivationCache | None:
+  """The run's AutoCache from ``config.cache`` (None when disabled, or refused
+  because the source is randomly augmented)."""
+  c = config.cache
+  if not c.enabled:
+    return None
+  if not autocache_policy.caching_allowed(getattr(source, 'randomly_augmented', False),
+                                          c.accept_reused_augmentation, log):
+    return None
+  sample = source[np.arange(1)]
+  entry = jax.eval_shape(lambda p, b: model.hidden_states(p, b, upto_layer=0), params,
+                         {k: sample[k] for k in model.input_keys})
+  # Everything that decides the frozen layers' output: the whole config
+  # (training decides the frozen weights), the model and the data.
+  identity = hashlib.sha256(json.dumps(
+      {'config': config.to_dict(), 'model': model.hf_config.to_dict(),
+       'samples': len(source), 'entry': list(entry.shape[1:])},
+      sort_keys=True, default=str).encode()).hexdigest()[:16]
+  return ActivationCache(
+      identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
+      dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20), disk_bytes=int(c.disk_mb * 2**20),
+      directory=c.directory or os.path.join(workdir, 'cache'), on_mismatch=c.on_mismatch,
+      log=log)

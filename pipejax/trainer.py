@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
-import json
 import math
-import os
 import time
 from typing import Any, Callable
 
@@ -28,10 +25,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autocache_policy, autodp, autopipe, freeze, pipeline, reporting
+from pipejax import autodp, autopipe, freeze, pipeline, reporting
 from pipejax import partition as part
-from pipejax.autocache import ActivationCache
-from pipejax.frozen_prefix import FrozenPrefix
+from pipejax.frozen_prefix import FrozenPrefix, make_cache
 from pipejax.data import Loader
 
 Params = Any
@@ -119,7 +115,8 @@ class Trainer:
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices)
     self.prefix = FrozenPrefix(model, self.devices, train_loader.source,
-                               self._make_cache(params), c.cache.policy, log)
+                               make_cache(config, model, train_loader.source, params, workdir,
+                                          log), c.cache.policy, log)
     self.profile = autopipe.MicroBatchProfile(
         c.pipeline.profile_path or None,
         {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,
@@ -146,31 +143,6 @@ class Trainer:
     self._param_shapes = jax.eval_shape(lambda: params)
     self.plan = self._plan(partition, micro_batches=None, initial=True)
     self.state = self._init_state(params, self.plan)
-
-  def _make_cache(self, params: Params) -> ActivationCache | None:
-    """AutoCache for this run (None when disabled or refused)."""
-    c = self.config.cache
-    if not c.enabled:
-      return None
-    source = self.train_loader.source
-    if not autocache_policy.caching_allowed(getattr(source, 'randomly_augmented', False),
-                                            c.accept_reused_augmentation, self.log):
-      return None
-    sample = source[np.arange(1)]
-    entry = jax.eval_shape(lambda p, b: self.model.hidden_states(p, b, upto_layer=0), params,
-                           {k: sample[k] for k in self.model.input_keys})
-    # Everything that decides the frozen layers' output: the whole config
-    # (training decides the frozen weights), the model and the data.
-    identity = hashlib.sha256(json.dumps(
-        {'config': self.config.to_dict(), 'model': self.model.hf_config.to_dict(),
-         'samples': len(source), 'entry': list(entry.shape[1:])},
-        sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return ActivationCache(
-        identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
-        dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20),
-        disk_bytes=int(c.disk_mb * 2**20),
-        directory=c.directory or os.path.join(self.workdir, 'cache'),
-        on_mismatch=c.on_mismatch, log=self.log)
 
   # -- plans -------------------------------------------------------------------
   def _plan(self, partition: part.Partition, micro_batches: int | None,
