@@ -19,7 +19,7 @@ def _config(tmp_path, **overrides):
   config = vit_imagenet.get_config()
   with config.unlocked():
     config.train.epochs = 2
-    config.train.max_steps_per_epoch = 3
+    config.train.max_steps_per_epoch = 5  # M profiling: 3 candidates x 3 rounds
     config.pipeline.profile_path = str(tmp_path / 'profile.json')
     config.freeze.policy = 'schedule'
     config.freeze.alpha = 0.5
@@ -87,7 +87,7 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.pipeline.initial_length=3'], 'initial_length=3 does not divide the 8 devices'),
     (['--config.train.batch_size=60'], 'batch_size=60 must be a multiple of the 8 devices'),
     (['--config.pipeline.micro_batches=24'],
-     'batch size 64 is not divisible by replicas x micro-batches = 1 x 24 = 24'),
+     'batch size 32 is not divisible by replicas x micro-batches = 1 x 24 = 24'),
     (['--config.train.batch_size=4096'], 'training samples; lower train.batch_size'),
     (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
      'imagenet2012 is not prepared'),
