@@ -52,10 +52,13 @@ class _Bar:
     pass
 
 
-def test_masks_and_segments_reach_pipeline_and_frozen_prefix(tmp_path):
+@pytest.mark.parametrize('cache', ['off', 'always'])
+def test_masks_and_segments_reach_pipeline_and_frozen_prefix(tmp_path, cache):
   """The trainer's step loss on a padded batch with two segments equals the
-  sequential model's, before and after freezing; the check is sensitive:
-  dropping the mask or the segments changes the loss."""
+  sequential model's, before and after freezing, with the frozen prefix
+  computed or served by AutoCache (whose entries are advanced at the second
+  freeze event with the masks looked up by sample ID); the check is
+  sensitive: dropping the mask or the segments changes the loss."""
   # Large initial weights, so that attention is far from uniform and the mask
   # and the segments change the loss well beyond the tolerance.
   hf_config = models.config_for('bert-classification', **{
@@ -70,6 +73,7 @@ def test_masks_and_segments_reach_pipeline_and_frozen_prefix(tmp_path):
     config.train.update(epochs=3, batch_size=16, learning_rate=1e-2, warmup_epochs=0.0)
     config.pipeline.update(initial_length=4, micro_batches=4, profile_path='')
     config.freeze.update(policy='schedule', alpha=0.5, compile_ahead=False)
+    config.cache.update(enabled=cache != 'off', policy='always')
   loader = Loader(ArraySource(batch), 16, seed=0)  # one step an epoch
   trainer = Trainer(model, created.params, config, str(tmp_path), loader, loader,
                     log=lambda _: None)
@@ -77,7 +81,7 @@ def test_masks_and_segments_reach_pipeline_and_frozen_prefix(tmp_path):
   def reference(params, **change):
     return float(model.loss(params, {**batch, **change})[0])
 
-  for epoch in (0, 1):
+  for epoch in (0, 1, 2):
     params = trainer.canonical_params()
     loss = trainer.train_epoch(epoch, _Bar())['train_loss']
     assert loss == pytest.approx(reference(params), rel=1e-5)
@@ -85,10 +89,14 @@ def test_masks_and_segments_reach_pipeline_and_frozen_prefix(tmp_path):
                - loss) > 1e-2
     assert abs(reference(params, token_type_ids=np.zeros_like(batch['token_type_ids']))
                - loss) > 1e-2
-    if epoch == 0:
-      trainer.maybe_transition(0, batch)
-      assert trainer.plan.partition.num_frozen_layers == 2
+    if epoch < 2:
+      trainer.maybe_transition(epoch, batch)
+      assert trainer.plan.partition.num_frozen_layers == 2 + epoch  # α = 0.5: F = 2, 3
       assert not trainer.plan.partition.has_embed  # embed runs in the frozen prefix
+  assert trainer.prefix.use_cache == (cache == 'always')
+  if cache == 'always':  # epoch 1 filled the cache, epoch 2 read advanced entries
+    stats = trainer.prefix.cache.stats()
+    assert (stats['misses'], stats['advanced'], stats['hits']) == (16, 16, 16)
 
 
 def test_minilm_finetune_loss_falls_layers_freeze_pipeline_shrinks(tmp_path):
