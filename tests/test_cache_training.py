@@ -69,3 +69,23 @@ def test_disk_tier_with_prefetch_equals_uncached(uncached, tmp_path):
   assert stats['peak_bytes_in_memory'] <= 8000
   np.testing.assert_allclose(cached, plain, rtol=1e-5)
   assert stats['repeated_layer_passes'] == 0
+
+
+def test_randomly_augmented_input_is_not_cached_unless_accepted():
+  from pipejax.data import ArraySource
+
+  class Augmented(ArraySource):
+    randomly_augmented = True
+
+  for accept in (False, True):
+    config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4)
+    with config.unlocked():
+      config.cache.update(policy='always', accept_reused_augmentation=accept)
+    trainer, data = _trainer(config)
+    messages = []
+    trainer.train_loader.source = Augmented(data)
+    from pipejax.frozen_prefix import make_cache
+    cache = make_cache(config, trainer.model, trainer.train_loader.source,
+                       trainer.canonical_params(), '/nonexistent', messages.append)
+    assert (cache is not None) == accept
+    assert len(messages) == 1 and 'randomly augmented' in messages[0]
