@@ -36,6 +36,7 @@ from pipejax.autocache import ActivationCache
 
 Params = Any
 CACHE_POLICIES = ('profile', 'always')
+ADVANCE_BATCHES = 8  # cached entries are advanced this many batches at a time
 
 
 class FrozenPrefix:
@@ -142,8 +143,9 @@ class FrozenPrefix:
                                                   sharding=self.data(plan)), **rest}
     if self.cache is not None and 0 < from_depth < plan.partition.num_frozen_layers:
       spread = self.spread(plan)
-      h = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=spread)
-      extra = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=spread)
+      chunk = ADVANCE_BATCHES * batch_size
+      h = jax.ShapeDtypeStruct((chunk,) + hidden.shape[1:], hidden.dtype, sharding=spread)
+      extra = {k: jax.ShapeDtypeStruct((chunk,) + v.shape[1:], v.dtype, sharding=spread)
                for k, v in inputs.items() if k in self.model.block_keys}
       out[('advance', (from_depth,) + self.key(plan))] = self.advance_fn(
           plan, from_depth).lower(frozen_shapes, h, extra).compile()
@@ -180,11 +182,12 @@ class FrozenPrefix:
                               lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h, d0))
     return {'hidden': jax.device_put(hidden, data), **rest}
 
-  def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray, from_depth: int,
-                    batch_size: int | None = None) -> np.ndarray:
+  def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray,
+                    from_depth: int) -> np.ndarray:
     """Cached entries ``hidden [m, seq, hidden]`` pushed from ``from_depth`` to
-    the plan's depth (padded to a whole batch for the compiled shape)."""
-    size = batch_size or self._batch_size
+    the plan's depth (padded to ``ADVANCE_BATCHES`` batches, the compiled
+    shape)."""
+    size = ADVANCE_BATCHES * self._batch_size
     m = len(ids)
     pad = np.concatenate([np.arange(m), np.zeros(size - m, np.int64)]) if m < size else None
     rows = (lambda a: a[pad]) if pad is not None else (lambda a: a)
@@ -213,7 +216,8 @@ class FrozenPrefix:
     self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
     if self.use_cache and filled:
       self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
-                                                                          d0), batch_size)
+                                                                          d0),
+                         ADVANCE_BATCHES * batch_size)
     else:
       self.cache.advance(depth)
       self.cache.evict_stale()
