@@ -1,0 +1,145 @@
+"""Train-step time of every plan an elastic run goes through, against the
+baseline's, side by side in one process: ``python -m experiments.bench_plans
+--workdir DIR [--config.KEY=VALUE ...]``.
+
+The plans are those of the main job's config (``experiments.vit_imagenet``,
+embedded default unless overridden): the frozen counts that the α bound of the
+freeze schedule gives per epoch (paper Fig. 4, the upper bound of Eq. 1), each
+partitioned and compressed by AutoPipe as the trainer does; M is the config's
+or K. Each plan's train step (frozen prefix forward + pipelined step) is timed
+on real batches, interleaved with the baseline (no freezing, the starting
+pipeline) so that machine noise hits both, and the run's train-time ratio is
+predicted from the per-epoch plans. Beside it: the limit the freeze schedule
+allows (frozen blocks forward-only = 1 unit, trained blocks forward +
+recomputed forward + backward = 4 units). Prints a table, writes
+``DIR/bench_plans.json``. What this leaves out on purpose — compilation,
+transitions, evaluation, checkpoints — is what separates it from a run's wall
+time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from pipejax import runtime
+
+runtime.setup(8)
+
+# pylint: disable=wrong-import-position
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import elastic, vit_imagenet  # noqa: E402
+from pipejax import freeze  # noqa: E402
+from pipejax.data import Loader  # noqa: E402
+from pipejax.trainer import Trainer  # noqa: E402
+
+
+def _parse(argv):
+  workdir, overrides = None, []
+  for arg in argv:
+    if arg.startswith('--workdir='):
+      workdir = arg.split('=', 1)[1]
+    elif arg.startswith('--config.'):
+      overrides.append(arg[len('--config.'):])
+    else:
+      raise SystemExit(f'error: unexpected argument {arg!r} (use --workdir=DIR and '
+                       f'--config.KEY=VALUE)')
+  if not workdir:
+    raise SystemExit('error: --workdir=DIR is required')
+  return workdir, overrides
+
+
+def main(argv=None) -> int:
+  workdir, overrides = _parse(sys.argv[1:] if argv is None else argv)
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.checkpoint.enabled = False
+    config.cache.enabled = False
+    for item in overrides:
+      key, value = item.split('=', 1)
+      node = config
+      *path, leaf = key.split('.')
+      for p in path:
+        node = node[p]
+      node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else (
+          value.lower() in ('1', 'true'))
+  os.makedirs(workdir, exist_ok=True)
+  data = elastic.resolve_data(config)
+  created = elastic.resolve_model(config, data)
+  model = created.model
+  epochs = config.train.epochs
+  policy = freeze.FreezePolicy('schedule', model.num_layers, config.freeze.alpha,
+                               config.freeze.min_active_layers)
+  frozen = [0]
+  for _ in range(epochs - 1):
+    frozen.append(policy.decide(None).result)
+  loader = Loader(data.train, config.train.batch_size, seed=config.seed)
+  trainer = Trainer(model, created.params, config, workdir, loader, loader,
+                    log=lambda _: None)
+  batches = [b for _, b in loader.epoch(0)][:6]
+  ids = [i for i, _ in loader.epoch(0)][:6]
+  plans, states = {}, {}
+  for f in sorted(set(frozen)):
+    # In order, as the trainer does: compression starts from the current K.
+    partition = trainer._partition_after(f) if f else trainer.plan.partition  # noqa: SLF001
+    plan = trainer._plan(partition, config.pipeline.micro_batches or  # noqa: SLF001
+                         partition.pipeline_length)
+    plans[f] = trainer.plan = plan
+  # Baseline and every plan: state laid out for it, the step compiled and warmed.
+  steps = {}
+  for f, plan in plans.items():
+    trainer.plan = plan
+    trainer.state = trainer._init_state(created.params, plan)  # noqa: SLF001
+    fn = trainer._train_step(plan)  # noqa: SLF001
+    feeds = [trainer._feed(i, b, plan) for i, b in zip(ids, batches)]  # noqa: SLF001
+    for feed in feeds[:2]:
+      trainer._run_step(fn, feed)  # noqa: SLF001
+    jax.block_until_ready(trainer.state)
+    states[f], steps[f] = trainer.state, fn
+
+  def time_plan(f, rounds=3):
+    trainer.plan, trainer.state = plans[f], states[f]
+    best = float('inf')
+    for _ in range(rounds):
+      jax.block_until_ready(trainer.state)
+      start = time.perf_counter()
+      for i, b in zip(ids, batches):
+        trainer._run_step(steps[f], trainer._feed(i, b, plans[f]))  # noqa: SLF001
+      jax.block_until_ready(trainer.state)
+      best = min(best, (time.perf_counter() - start) / len(batches))
+    states[f] = trainer.state
+    return best
+
+  seconds = {f: [] for f in plans}
+  for _ in range(3):  # interleaved with the baseline (F=0)
+    for f in plans:
+      seconds[f].append(time_plan(0) if f == 0 else time_plan(f))
+  step = {f: float(np.median(v)) for f, v in seconds.items()}
+  blocks = model.num_layers
+  rows = []
+  for f, plan in plans.items():
+    rows.append({'frozen_layers': f, 'pipeline_length': plan.pipeline_length,
+                 'replicas': plan.replicas, 'micro_batches': plan.micro_batches,
+                 'step_seconds': step[f], 'ratio_to_baseline': step[f] / step[0],
+                 'flop_ratio': (4 * (blocks - f) + f) / (4 * blocks)})
+  predicted = sum(step[f] for f in frozen) / (epochs * step[0])
+  limit = sum((4 * (blocks - f) + f) for f in frozen) / (epochs * 4 * blocks)
+  print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"step ms":>8} {"ratio":>6} {"FLOP ratio":>10}')
+  for r in rows:
+    print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
+          f'{r["micro_batches"]:3d} {r["step_seconds"] * 1e3:8.1f} {r["ratio_to_baseline"]:6.2f} '
+          f'{r["flop_ratio"]:10.2f}')
+  print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
+        f'(FLOP limit {limit:.3f})')
+  with open(os.path.join(workdir, 'bench_plans.json'), 'w') as f:
+    json.dump({'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
+               'predicted_train_ratio': predicted, 'flop_limit_ratio': limit}, f, indent=2)
+  print(f'wrote {workdir}/bench_plans.json')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
