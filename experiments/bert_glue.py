@@ -1,13 +1,17 @@
 """Elastic BERT fine-tuning on GLUE: ``python -m experiments.bert_glue``.
 
-SST-2 by default (paper §4: BERT-base on SST-2); any GLUE classification task,
-single sentence or pair, with ``--config.data.name=glue/<task>`` (cola, sst2,
-mrpc, qqp, mnli, qnli, rte, wnli; stsb is regression and refused). Data come
-from TFDS (array_record, ``tfds.data_source``, no TensorFlow): prepare it with
-``tfds build glue/sst2 --file_format=array_record``; without it the command
-says so in one line and exits with code 2. Evaluation is on the validation
-split (``validation_matched`` for MNLI): accuracy, plus F1 (MRPC, QQP) or
-Matthews correlation (CoLA).
+SST-2 by default (paper §4: BERT-base on SST-2); any GLUE task, single
+sentence or pair, with ``--config.data.name=glue/<task>`` (cola, sst2, mrpc,
+stsb, qqp, mnli, qnli, rte, wnli). STS-B is a regression: the head has one
+output trained with mean squared error on the [0, 5] similarity scores (as
+HF's BERT does with ``num_labels=1``). Data come from TFDS (array_record,
+``tfds.data_source``, no TensorFlow): prepare it with ``tfds build glue/sst2
+--file_format=array_record``; without it the command says so in one line and
+exits with code 2. Evaluation is on the validation split
+(``validation_matched`` for MNLI): accuracy, plus F1 (MRPC, QQP) or Matthews
+correlation (CoLA); for STS-B Pearson and Spearman correlation
+(``eval_pearson``, ``eval_spearmanr``) with ``eval_accuracy`` their mean,
+GLUE's combined score.
 
 The model is HF ``FlaxBertForSequenceClassification`` from
 ``--config.model.pretrained`` (a local directory or HF cache name; its own

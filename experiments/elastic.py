@@ -2,7 +2,8 @@
 from the config, run :class:`pipejax.trainer.Trainer`, write the outputs.
 
 ``task`` picks the data and model: ``'vit'`` (ImageNet or digits, ViT),
-``'bert_glue'`` (a GLUE classification task, ``FlaxBertForSequenceClassification``)
+``'bert_glue'`` (a GLUE task, ``FlaxBertForSequenceClassification``; one
+output and a mean-squared-error loss for the regression STS-B)
 or ``'bert_squad'`` (SQuAD v1.1, ``FlaxBertForQuestionAnswering``)."""
 from __future__ import annotations
 
@@ -265,6 +266,8 @@ def _describe(model) -> str:
   """The model kind and size for log lines and plot titles."""
   kind = {'vit': 'ViT', 'bert-classification': 'BERT classifier',
           'bert-question_answering': 'BERT QA'}.get(model.name, model.name)
+  if model.name == 'bert-classification' and model.hf_config.num_labels == 1:
+    kind = 'BERT regression'
   return f'{kind} L={model.num_layers} d={model.hf_config.hidden_size}'
 
 

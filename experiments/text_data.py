@@ -5,9 +5,10 @@ with the model's own HF tokenizer into in-memory arrays served by
 
 Every batch holds ``input_ids``, ``attention_mask`` and ``token_type_ids``
 ``[batch, max_seq_length]`` (int32) plus the labels: ``labels [batch]`` for
-GLUE, ``start_positions`` and ``end_positions [batch]`` for SQuAD training.
-SQuAD evaluation features keep their example and character offsets on the
-host (:class:`SquadFeatures`), never in the batch fed to the model.
+GLUE (int32 classes; float32 similarity scores in [0, 5] for the regression
+task STS-B), ``start_positions`` and ``end_positions [batch]`` for SQuAD
+training. SQuAD evaluation features keep their example and character offsets
+on the host (:class:`SquadFeatures`), never in the batch fed to the model.
 """
 from __future__ import annotations
 
@@ -27,17 +28,25 @@ class TextConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
-  """One GLUE classification task: its text features, classes and eval split."""
+  """One GLUE task: its text features, classes (1: a regression, STS-B) and
+  eval split."""
   features: tuple[str, ...]
   num_classes: int
   eval_split: str = 'validation'
 
+  @property
+  def regression(self) -> bool:
+    """One output: float labels and a mean-squared-error loss."""
+    return self.num_classes == 1
 
-#: GLUE classification tasks (the test splits have no labels: -1).
+
+#: GLUE tasks (the test splits have no labels: -1). STS-B is a regression
+#: (similarity in [0, 5]): a one-output head.
 GLUE_TASKS = {
     'cola': GlueTask(('sentence',), 2),
     'sst2': GlueTask(('sentence',), 2),
     'mrpc': GlueTask(('sentence1', 'sentence2'), 2),
+    'stsb': GlueTask(('sentence1', 'sentence2'), 1),
     'qqp': GlueTask(('question1', 'question2'), 2),
     'mnli': GlueTask(('premise', 'hypothesis'), 3, 'validation_matched'),
     'qnli': GlueTask(('question', 'sentence'), 2),
@@ -53,7 +62,8 @@ class TextDataset:
   Attributes:
     name: the TFDS name, e.g. ``'glue/sst2'``.
     train, eval: sources of model inputs and labels (eval of SQuAD: inputs only).
-    num_classes: classifier outputs (2 for SQuAD: start and end logits).
+    num_classes: classifier outputs (1 for STS-B's regression, 2 for SQuAD:
+      start and end logits).
     max_seq_length: the padded sequence length.
     evaluator: ``(trainer, canonical_params) -> dict`` for the trainer, or None.
   """
@@ -68,9 +78,6 @@ class TextDataset:
 def glue_task(name: str) -> tuple[str, GlueTask]:
   """``'glue/sst2'`` or ``'sst2'`` → ``('sst2', GlueTask)``; one-line errors."""
   task = name[len('glue/'):] if name.startswith('glue/') else name
-  if task == 'stsb':
-    raise TextConfigError('glue/stsb is a regression task (Pearson/Spearman correlation); '
-                          f'bert_glue trains classifiers: use one of {sorted(GLUE_TASKS)}')
   if task not in GLUE_TASKS:
     raise TextConfigError(f'unknown GLUE task {name!r}; expected glue/<task> with task one of '
                           f'{sorted(GLUE_TASKS)}')
@@ -156,12 +163,14 @@ def check_lengths(max_seq_length: int, doc_stride: int | None = None) -> None:
 
 
 def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextDataset:
-  """A GLUE classification task (train, and validation for evaluation).
+  """A GLUE task (train, and validation for evaluation).
 
   ``tokenizer`` is an HF fast tokenizer, or the path to load one from once
-  the data set is found (so a missing data set is reported first). Pair tasks encode ``[CLS] a [SEP] b [SEP]`` with ``token_type_ids`` 0/1;
-  pairs longer than ``max_seq_length`` are truncated longest-first. Examples
-  without a label (-1) are dropped.
+  the data set is found (so a missing data set is reported first). Pair
+  tasks encode ``[CLS] a [SEP] b [SEP]`` with ``token_type_ids`` 0/1; pairs
+  longer than ``max_seq_length`` are truncated longest-first. Examples
+  without a label (-1) are dropped. Labels are int32 classes, or float32
+  scores for STS-B (``num_classes == 1``).
   """
   task, spec = glue_task(name)
   check_lengths(max_seq_length)
@@ -171,12 +180,14 @@ def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextD
   tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
   out = {}
   for split, source in sources.items():
-    examples = [e for e in _examples(source) if int(e['label']) >= 0]
+    examples = [e for e in _examples(source) if float(e['label']) >= 0]
     if not examples:
       raise DatasetMissing(f'{tfds_name} split {split!r} has no labelled examples')
     columns = [[_text(e[f]) for e in examples] for f in spec.features]
     arrays = _encode(tokenizer, columns, max_seq_length)
-    arrays['labels'] = np.asarray([int(e['label']) for e in examples], np.int32)
+    labels = [e['label'] for e in examples]
+    arrays['labels'] = (np.asarray(labels, np.float32) if spec.regression
+                        else np.asarray([int(v) for v in labels], np.int32))
     out[split] = ArraySource(arrays)
   return TextDataset(tfds_name, out['train'], out[spec.eval_split], spec.num_classes,
                      max_seq_length)

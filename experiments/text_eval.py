@@ -2,9 +2,10 @@
 
 :class:`GlueEvaluator` and :class:`SquadEvaluator` are ``evaluator``\\ s for
 :class:`pipejax.trainer.Trainer`: ``(trainer, canonical_params) -> dict``
-with ``eval_accuracy`` and task metrics. Logits come from the canonical
-parameters run data-parallel over all the trainer's devices (compiled once
-per run, whatever the pipeline plan).
+with ``eval_accuracy`` (the task's headline metric: accuracy, STS-B's mean of
+Pearson and Spearman correlation, SQuAD's F1 / 100) and task metrics. Logits
+come from the canonical parameters run data-parallel over all the trainer's
+devices (compiled once per run, whatever the pipeline plan).
 
 SQuAD answers follow the standard post-processing (BERT / HF ``run_qa``):
 for each feature the ``n_best`` highest start and end logits give candidate
@@ -65,6 +66,36 @@ def matthews_correlation(predictions: np.ndarray, labels: np.ndarray) -> float:
   return 0.0 if denominator == 0 else (tp * tn - fp * fn) / denominator
 
 
+def pearson_correlation(x: np.ndarray, y: np.ndarray) -> float:
+  """Pearson's correlation coefficient of two samples (0.0 where it is
+  undefined: fewer than two values, or either sample constant)."""
+  x, y = np.asarray(x, np.float64).reshape(-1), np.asarray(y, np.float64).reshape(-1)
+  if len(x) < 2:
+    return 0.0
+  dx, dy = x - x.mean(), y - y.mean()
+  denominator = np.sqrt(np.sum(dx * dx) * np.sum(dy * dy))
+  return 0.0 if denominator == 0 else float(np.sum(dx * dy) / denominator)
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+  """Ranks 1..n of ``x``, ties sharing the mean of their ranks
+  (``scipy.stats.rankdata(method='average')``)."""
+  x = np.asarray(x).reshape(-1)
+  order = np.argsort(x, kind='stable')
+  ranks = np.empty(len(x), np.float64)
+  ranks[order] = np.arange(1, len(x) + 1)
+  values, inverse = np.unique(x, return_inverse=True)
+  sums = np.bincount(inverse.reshape(-1), weights=ranks, minlength=len(values))
+  counts = np.bincount(inverse.reshape(-1), minlength=len(values))
+  return (sums / counts)[inverse.reshape(-1)]
+
+
+def spearman_correlation(x: np.ndarray, y: np.ndarray) -> float:
+  """Spearman's rank correlation: Pearson's of the average ranks (STS-B's
+  second metric, ``scipy.stats.spearmanr``)."""
+  return pearson_correlation(average_ranks(x), average_ranks(y))
+
+
 def binary_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
   """F1 of the positive class (MRPC's and QQP's second metric)."""
   tp = float(np.sum((predictions == 1) & (labels == 1)))
@@ -73,8 +104,15 @@ def binary_f1(predictions: np.ndarray, labels: np.ndarray) -> float:
 
 
 class GlueEvaluator:
-  """Accuracy on a GLUE validation split, plus F1 (MRPC, QQP) or Matthews
-  correlation (CoLA): ``eval_accuracy``, ``eval_f1`` / ``eval_matthews``."""
+  """The GLUE metrics on a validation split.
+
+  Classification tasks: accuracy, plus F1 (MRPC, QQP) or Matthews
+  correlation (CoLA): ``eval_accuracy``, ``eval_f1`` / ``eval_matthews``.
+  STS-B (regression, the one logit is the predicted score): Pearson and
+  Spearman correlation with the gold scores, ``eval_pearson``,
+  ``eval_spearmanr``, and ``eval_accuracy`` their mean (GLUE's combined
+  score for STS-B; the headline metric the trainer tracks).
+  """
 
   def __init__(self, task: str, labels: np.ndarray):
     self.task, self.labels = task, np.asarray(labels)
@@ -82,6 +120,8 @@ class GlueEvaluator:
 
   def __call__(self, trainer, params) -> dict[str, float]:
     ids, logits = self.predict(trainer, params)
+    if self.task == 'stsb':
+      return self.regression_metrics(np.asarray(logits).reshape(-1), self.labels[ids])
     predictions, labels = np.argmax(logits, axis=-1), self.labels[ids]
     metrics = {'eval_accuracy': float(np.mean(predictions == labels)) if len(ids) else 0.0}
     if self.task in ('mrpc', 'qqp'):
@@ -89,6 +129,16 @@ class GlueEvaluator:
     if self.task == 'cola':
       metrics['eval_matthews'] = matthews_correlation(predictions, labels)
     return metrics
+
+  @staticmethod
+  def regression_metrics(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """STS-B's ``eval_pearson``, ``eval_spearmanr``, their mean
+    ``eval_accuracy`` and the ``eval_mse`` of ``predictions [n]``."""
+    pearson = pearson_correlation(predictions, labels)
+    spearman = spearman_correlation(predictions, labels)
+    mse = float(np.mean(np.square(predictions - labels))) if len(labels) else 0.0
+    return {'eval_accuracy': 0.5 * (pearson + spearman), 'eval_pearson': pearson,
+            'eval_spearmanr': spearman, 'eval_mse': mse}
 
 
 # -- SQuAD v1.1 ---------------------------------------------------------------------------

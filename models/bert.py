@@ -33,7 +33,9 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
   Args:
     config: the HF ``BertConfig``.
     head: ``'classification'`` (``FlaxBertForSequenceClassification``; labels
-      ``labels [batch]``), ``'question_answering'``
+      ``labels [batch]``: integer classes, or with ``config.num_labels == 1``
+      float targets of a regression trained with mean squared error, as HF's
+      PyTorch BERT does), ``'question_answering'``
       (``FlaxBertForQuestionAnswering``; labels ``start_positions``,
       ``end_positions [batch]``) or ``'encoder'`` (``FlaxBertModel``; the
       "logits" are the last hidden states and the pooled output, no loss).
@@ -87,6 +89,9 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     outputs = logits_fn(params, hidden, batch, rng, train)
     if head == 'classification':
       labels = batch['labels']
+      if config.num_labels == 1:
+        return (layered.mean_squared_error(outputs, labels),
+                layered.regression_metrics(outputs, labels, batch.get('example_mask')))
       return (layered.softmax_cross_entropy(outputs, labels),
               layered.classification_metrics(outputs, labels, batch.get('example_mask')))
     start_logits, end_logits = outputs

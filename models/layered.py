@@ -69,6 +69,8 @@ class LayeredModel:
     loss_fn: ``(head_params, hidden, batch, rng, train) -> (loss, metrics)``;
       ``loss`` is the mean over the batch, ``metrics`` a dict of *sums* over
       the batch (e.g. ``correct``, ``count``), so they add over micro-batches.
+      Every head reports ``count``; classifiers report ``correct``, a
+      regression head (BERT with one output) ``squared_error`` instead.
     hf_to_canonical / canonical_to_hf: exact parameter-tree conversions.
   """
 
@@ -149,3 +151,20 @@ def classification_metrics(logits: jax.Array, labels: jax.Array,
   mask = jnp.ones(labels.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
   correct = jnp.sum((jnp.argmax(logits, axis=-1) == labels) * mask)
   return {'correct': correct, 'count': jnp.sum(mask)}
+
+
+def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean squared error of ``predictions [b, 1]`` (or ``[b]``) against float
+  ``targets [b]`` (HF's regression loss for a one-output classifier)."""
+  predictions = predictions.astype(jnp.float32).reshape(targets.shape)
+  return jnp.mean(jnp.square(predictions - targets.astype(jnp.float32)))
+
+
+def regression_metrics(predictions: jax.Array, targets: jax.Array,
+                       mask: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Summed ``squared_error`` and example ``count`` (add over micro-batches);
+  ``mask [batch]`` (1 = real example) drops padding. No ``correct``: a
+  regression has no accuracy."""
+  mask = jnp.ones(targets.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
+  error = predictions.astype(jnp.float32).reshape(targets.shape) - targets.astype(jnp.float32)
+  return {'squared_error': jnp.sum(jnp.square(error) * mask), 'count': jnp.sum(mask)}

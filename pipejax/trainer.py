@@ -68,6 +68,12 @@ def _without_frozen(state: dict) -> dict:
   return {k: v for k, v in state.items() if k != 'frozen'}
 
 
+def _correct(metrics: dict) -> jax.Array:
+  """The summed ``correct`` of a step's metrics; NaN for a regression head
+  (no accuracy: the epoch's ``train_accuracy`` is then None)."""
+  return metrics['correct'] if 'correct' in metrics else jnp.full((), jnp.nan, jnp.float32)
+
+
 def _zeros_like(x: jax.Array) -> jax.Array:
   """Zeros with ``x``'s sharding (compiled steps insist on their shardings)."""
   return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
@@ -89,6 +95,8 @@ class Trainer:
       built-in evaluation (``correct / count`` of the model's loss metrics);
       it must return ``eval_accuracy`` and may add other ``eval_*`` keys,
       which go into the epoch's metrics row (e.g. SQuAD's exact match and F1).
+      A regression head (metrics without ``correct``) needs one; its rows
+      have ``train_accuracy`` None.
   """
 
   def __init__(self, model: LayeredModel, params: Params, config, workdir: str,
@@ -243,7 +251,7 @@ class Trainer:
       return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
               'active': optax.apply_updates(state['active'], updates),
               'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition),
-              'sums': state['sums'] + jnp.stack([loss, metrics['correct'], metrics['count']])}
+              'sums': state['sums'] + jnp.stack([loss, _correct(metrics), metrics['count']])}
 
     fn = jax.jit(step, donate_argnums=0, out_shardings=autodp.state_shardings(state_shapes, mesh))
     self._steps[plan] = fn
@@ -340,7 +348,8 @@ class Trainer:
     seconds = time.perf_counter() - start
     self.state['sums'] = _zeros_like(self.state['sums'])
     return {'train_loss': float(sums[0] / max(steps, 1)),
-            'train_accuracy': float(sums[1] / max(sums[2], 1)),
+            'train_accuracy': (None if np.isnan(sums[1])  # a regression head
+                               else float(sums[1] / max(sums[2], 1))),
             'epoch_seconds': seconds - transition_seconds, 'steps': steps,
             'transition_seconds': transition_seconds,
             'samples_per_second': steps * loader.batch_size / seconds}
@@ -367,6 +376,9 @@ class Trainer:
     correct = count = 0.0
     for _, batch in loader.epoch(0):
       metrics = self._eval(params, jax.device_put(batch, NamedSharding(flat, P('batch'))))
+      if 'correct' not in metrics:
+        raise ValueError(f'{self.model.name} reports no accuracy (a regression head): give the '
+                         f'Trainer an evaluator')
       correct += float(metrics['correct'])
       count += float(metrics['count'])
     return {'eval_accuracy': correct / max(count, 1.0)}

@@ -17,12 +17,18 @@ TINY = {
 
 @functools.lru_cache(maxsize=None)
 def tiny(kind: str, num_layers: int = 4, dropout: float = 0.0) -> models.Created:
-  """A tiny random model of ``kind`` with ``num_layers`` blocks."""
+  """A tiny random model of ``kind`` with ``num_layers`` blocks.
+
+  ``kind`` is a model kind, or ``'bert-regression'``: a
+  ``'bert-classification'`` model with one output (STS-B's MSE head).
+  """
   base = TINY['vit' if kind == 'vit' else 'bert']
   overrides = dict(base, num_hidden_layers=num_layers, hidden_dropout_prob=dropout,
                    attention_probs_dropout_prob=dropout)
   if kind == 'bert-question_answering':
     overrides['num_labels'] = 2
+  if kind == 'bert-regression':
+    kind, overrides['num_labels'] = 'bert-classification', 1
   return models.create(kind, models.config_for(kind, **overrides), seed=0)
 
 
@@ -42,6 +48,8 @@ def batch(kind: str, model, size: int, seed: int = 0, seq_len: int = 8) -> dict:
   if kind == 'bert-question_answering':
     out['start_positions'] = rng.integers(0, seq_len, size).astype(np.int32)
     out['end_positions'] = rng.integers(0, seq_len, size).astype(np.int32)
+  elif kind == 'bert-regression':
+    out['labels'] = rng.uniform(0.0, 5.0, size).astype(np.float32)  # STS-B's range
   else:
     out['labels'] = rng.integers(0, cfg.num_labels, size).astype(np.int32)
   return out

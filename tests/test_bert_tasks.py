@@ -1,5 +1,5 @@
-"""BERT on GLUE and SQuAD: the official SQuAD metric and post-processing on
-hand-computed cases, the SQuAD window labels, the real TFDS loading path on
+"""BERT on GLUE and SQuAD: STS-B's Pearson and Spearman correlation and the
+official SQuAD metric and post-processing on hand-computed cases, the SQuAD window labels, the real TFDS loading path on
 ``tfds.testing.mock_data`` through the CLI's run, and one-line errors.
 
 ``tfds.testing.mock_data`` works without TensorFlow with
@@ -24,6 +24,57 @@ from tests import fixtures
 ROWS = ('epoch', 'frozen_layers', 'pipeline_length', 'replicas', 'micro_batches', 'cache',
         'train_loss', 'eval_accuracy', 'epoch_seconds', 'samples_per_second',
         'transition_seconds')
+
+
+# -- STS-B correlations ----------------------------------------------------------------------
+
+def test_pearson_and_spearman_hand_computed():
+  assert text_eval.pearson_correlation([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+  assert text_eval.pearson_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+  # dx = dy·perm = (-1.5, -.5, .5, 1.5): Σdx·dy = 4, Σdx² = Σdy² = 5 -> 0.8.
+  assert text_eval.pearson_correlation([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+  assert text_eval.spearman_correlation([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+  # Monotone but not linear: Spearman 1, Pearson below.
+  assert text_eval.spearman_correlation([1, 2, 3, 4], [1, 4, 9, 100]) == pytest.approx(1.0)
+  assert text_eval.pearson_correlation([1, 2, 3, 4], [1, 4, 9, 100]) < 0.9
+  # Undefined (a constant sample, or one value): 0.0.
+  assert text_eval.pearson_correlation([1, 1, 1], [1, 2, 3]) == 0.0
+  assert text_eval.spearman_correlation([2.5, 2.5], [1, 2]) == 0.0
+  assert text_eval.pearson_correlation([1], [2]) == 0.0
+
+
+def test_spearman_ties_take_average_ranks():
+  np.testing.assert_array_equal(text_eval.average_ranks([10, 20, 20, 30]), [1, 2.5, 2.5, 4])
+  np.testing.assert_array_equal(text_eval.average_ranks([3, 1, 3, 3]), [3, 1, 3, 3])
+  np.testing.assert_array_equal(text_eval.average_ranks([0.5, 0.1, 0.9]), [2, 1, 3])
+  # Ranks (1, 2.5, 2.5, 4) vs (1, 2, 3, 4): Σd·d = 4.5, Σ = 4.5 and 5 -> sqrt(0.9).
+  assert text_eval.spearman_correlation([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(
+      np.sqrt(0.9))
+
+
+def test_correlations_match_scipy_with_ties():
+  stats = pytest.importorskip('scipy.stats')
+  rng = np.random.default_rng(0)
+  x = np.round(rng.uniform(0, 5, 200), 1)  # many ties, like STS-B's gold scores
+  y = x + rng.normal(0, 1.5, 200).astype(np.float32)
+  np.testing.assert_allclose(text_eval.average_ranks(x), stats.rankdata(x))
+  assert text_eval.pearson_correlation(x, y) == pytest.approx(stats.pearsonr(x, y)[0], abs=1e-9)
+  assert text_eval.spearman_correlation(x, y) == pytest.approx(stats.spearmanr(x, y)[0],
+                                                                 abs=1e-9)
+
+
+def test_stsb_eval_accuracy_is_the_mean_of_pearson_and_spearman():
+  metrics = text_eval.GlueEvaluator.regression_metrics(np.array([1., 2., 3., 4.]),
+                                                       np.array([1., 3., 2., 4.]))
+  assert metrics['eval_pearson'] == pytest.approx(0.8)
+  assert metrics['eval_spearmanr'] == pytest.approx(0.8)
+  assert metrics['eval_accuracy'] == pytest.approx(0.8)
+  assert metrics['eval_mse'] == pytest.approx(0.5)  # errors 0, 1, 1, 0
+  metrics = text_eval.GlueEvaluator.regression_metrics(np.array([1., 2., 2., 3.]),
+                                                       np.array([1., 2., 3., 40.]))
+  assert metrics['eval_spearmanr'] == pytest.approx(np.sqrt(0.9))
+  assert metrics['eval_accuracy'] == pytest.approx(
+      (metrics['eval_pearson'] + np.sqrt(0.9)) / 2)
 
 
 # -- SQuAD metric and post-processing --------------------------------------------------------
@@ -174,6 +225,39 @@ def test_glue_pair_task_tokenized_from_mock_tfds():
   assert set(np.unique(arrays['labels'])) <= {0, 1, 2}
 
 
+def test_glue_stsb_has_float_labels_from_mock_tfds():
+  tfds = pytest.importorskip('tensorflow_datasets')
+  tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  with tfds.testing.mock_data(num_examples=12, policy=tfds.testing.MockPolicy.USE_CODE):
+    data = text_data.glue('glue/stsb', tokenizer, 24)
+  assert data.num_classes == 1 and len(data.train) == len(data.eval) == 12
+  labels = data.train.arrays['labels']
+  assert labels.dtype == np.float32 and labels.shape == (12,)
+  assert np.all(labels >= 0) and len(np.unique(labels)) > 1  # scores, not class ids
+  assert np.all(data.train.arrays['token_type_ids'].max(axis=1) == 1)  # sentence pairs
+
+
+def test_bert_glue_stsb_regression_on_mock_tfds(tmp_path):
+  """STS-B through the real run: a one-output head trained with MSE (also
+  with a frozen prefix in epoch 1), evaluated by Pearson and Spearman."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  config = _tiny(bert_glue.get_config(), tmp_path,
+                 **{'data.max_seq_length': 16, 'data.name': 'glue/stsb'})
+  workdir = str(tmp_path / 'stsb')
+  with tfds.testing.mock_data(num_examples=48, policy=tfds.testing.MockPolicy.USE_CODE):
+    summary = elastic.run(config, workdir, task='bert_glue')
+  assert summary['data'] == 'glue/stsb'
+  rows, saved = _check_outputs(workdir, 2)
+  assert rows[0]['frozen_layers'] == 0 and rows[1]['frozen_layers'] == 2
+  for row in rows:
+    assert -1.0 <= row['eval_pearson'] <= 1.0 and -1.0 <= row['eval_spearmanr'] <= 1.0
+    assert row['eval_accuracy'] == pytest.approx((row['eval_pearson'] + row['eval_spearmanr'])
+                                                 / 2)
+    assert row['eval_mse'] >= 0.0
+    assert row['train_accuracy'] is None  # a regression has no accuracy
+  assert set(saved['final_eval']) >= {'eval_accuracy', 'eval_pearson', 'eval_spearmanr'}
+
+
 def test_bert_glue_sst2_on_mock_tfds(tmp_path):
   tfds = pytest.importorskip('tensorflow_datasets')
   config = _tiny(bert_glue.get_config(), tmp_path, **{'data.max_seq_length': 16})
@@ -207,7 +291,8 @@ def test_bert_squad_on_mock_tfds(tmp_path):
 
 @pytest.mark.parametrize('module,args,message', [
     ('bert_glue', ['--config.data.name=glue/nope'], "unknown GLUE task 'glue/nope'"),
-    ('bert_glue', ['--config.data.name=glue/stsb'], 'glue/stsb is a regression task'),
+    ('bert_glue', ['--config.data.name=glue/stsb'],
+     'glue/stsb is not prepared for TFDS in the default data dir'),  # a known task now
     ('bert_glue', [], 'glue/sst2 is not prepared for TFDS in the default data dir'),
     ('bert_glue', ['--config.data.data_dir=/nonexistent'],
      'prepare it with: tfds build glue/sst2 --file_format=array_record --data_dir=/nonexistent'),

@@ -10,7 +10,8 @@ import models
 from tests import fixtures
 
 
-@pytest.mark.parametrize('kind', ['vit', 'bert-classification', 'bert-question_answering'])
+@pytest.mark.parametrize('kind', ['vit', 'bert-classification', 'bert-regression',
+                                  'bert-question_answering'])
 def test_layered_logits_equal_hf(kind):
   created = fixtures.tiny(kind)
   batch = fixtures.batch(kind, created.model, 4, seed=1)
@@ -22,7 +23,7 @@ def test_layered_logits_equal_hf(kind):
   else:
     out = hf_model(batch['input_ids'], batch['attention_mask'], batch['token_type_ids'],
                    params=hf_params)
-    ref = out.logits if kind == 'bert-classification' else (out.start_logits, out.end_logits)
+    ref = (out.start_logits, out.end_logits) if kind == 'bert-question_answering' else out.logits
   ours = jax.jit(created.model.logits)(created.params, batch)
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
     assert a.shape == b.shape
@@ -37,6 +38,37 @@ def test_hf_tree_round_trip_is_exact(kind):
   assert jax.tree.structure(back) == jax.tree.structure(hf_params)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(hf_params)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_regression_head_loss_is_mse_of_the_hf_logits():
+  """STS-B's head (one output): the loss is the mean squared error of HF's
+  own logit against the float labels, computed independently in numpy; the
+  metrics are sums (no accuracy) that honour ``example_mask``."""
+  created = fixtures.tiny('bert-regression')
+  model = created.model
+  assert model.hf_config.num_labels == 1
+  batch = fixtures.batch('bert-regression', model, 6, seed=4)
+  assert batch['labels'].dtype == np.float32
+  hf_model = created.hf_class(model.hf_config, _do_init=False)
+  logits = np.asarray(hf_model(batch['input_ids'], batch['attention_mask'],
+                               batch['token_type_ids'], params=model.to_hf(created.params)).logits,
+                      np.float64)
+  assert logits.shape == (6, 1)
+  error = logits[:, 0] - batch['labels'].astype(np.float64)
+  loss, metrics = jax.jit(model.loss)(created.params, batch)
+  assert set(metrics) == {'squared_error', 'count'}
+  np.testing.assert_allclose(float(loss), np.mean(error ** 2), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics['squared_error']), np.sum(error ** 2), rtol=1e-5)
+  assert float(metrics['count']) == 6
+  mask = np.array([1, 1, 0, 1, 0, 1], np.float32)
+  _, masked = jax.jit(model.loss)(created.params, {**batch, 'example_mask': mask})
+  np.testing.assert_allclose(float(masked['squared_error']), np.sum(mask * error ** 2),
+                             rtol=1e-5)
+  assert float(masked['count']) == 4
+  # The gradient of the head's bias is the mean of 2·error (d/db of the MSE).
+  grads = jax.grad(lambda p: model.loss(p, batch)[0])(created.params)
+  np.testing.assert_allclose(np.asarray(grads['head']['classifier']['bias']),
+                             [2 * np.mean(error)], rtol=1e-4)
 
 
 def test_attention_mask_reaches_every_block():

@@ -25,6 +25,7 @@ CASES = [
     ('bert-classification', 2, 'gpipe', (5, 5)),
     ('bert-classification', 4, '1f1b', (3, 2, 2, 3)),
     ('bert-classification', 8, 'gpipe', (1,) * 8),
+    ('bert-regression', 4, '1f1b', (3, 2, 2, 3)),  # STS-B's one-output MSE head
     ('bert-question_answering', 4, 'gpipe', (1, 2, 4, 3)),
     ('bert-question_answering', 8, '1f1b', (2, 1, 1, 1, 1, 2, 1, 1)),
 ]
@@ -69,7 +70,9 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
   assert float(metrics['count']) == len(batch['labels' if 'labels' in batch else
                                               'start_positions'])
-  assert float(metrics['correct']) == float(ref_metrics['correct'])
+  assert set(metrics) == set(ref_metrics)
+  for key, value in ref_metrics.items():  # correct, or a regression's squared_error
+    assert float(metrics[key]) == pytest.approx(float(value), rel=1e-5), key
   got = _canonical(grads, partition, params)
   assert _max_err(got, ref_grads) <= 1e-5
   # Grads come back in the layout and sharding of the parameters.
