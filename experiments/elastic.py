@@ -22,11 +22,15 @@ from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, sch
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader
 from pipejax.partition import PartitionError
-from pipejax.trainer import Trainer
+from pipejax.trainer import LossNotFinite, Trainer
 
 
 class ConfigError(ValueError):
   """A configuration value outside what the run accepts."""
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss became NaN or infinite (names the step and the last checkpoint)."""
 
 
 def _log(msg: str) -> None:
@@ -233,6 +237,10 @@ def run(config, workdir: str | None, task: str) -> dict:
 
   try:
     result = trainer.run(config.train.epochs, _progress, on_epoch)
+  except LossNotFinite as e:
+    last = ckpt.latest() if ckpt is not None else None
+    raise TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
+                           f'{last or "none (checkpoints disabled or none saved yet)"}') from e
   finally:
     if ckpt is not None:
       ckpt.close()
@@ -271,7 +279,7 @@ def _describe(model) -> str:
   return f'{kind} L={model.num_layers} d={model.hf_config.hidden_size}'
 
 
-KNOWN_ERRORS = (ConfigError, CacheMismatchError, datasets.DatasetMissing,
+KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.DatasetMissing,
                 freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
                 schedule.ScheduleError, text_data.TextConfigError)
 

@@ -28,6 +28,12 @@ class Checkpoints:
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)))
 
+  def latest(self) -> str | None:
+    """The directory of the newest finished checkpoint, or None."""
+    self.manager.wait_until_finished()
+    step = self.manager.latest_step()
+    return None if step is None else os.path.join(self.directory, str(step))
+
   def close(self) -> None:
     """Waits for pending saves."""
     self.manager.wait_until_finished()

@@ -63,6 +63,16 @@ def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
   return jnp.sqrt(per_layer)
 
 
+class LossNotFinite(FloatingPointError):
+  """The training loss became NaN or infinite: training stops (a diverged
+  state is never checkpointed). ``step`` is the step at which it was seen
+  (the loss is read every 10 steps and at the end of each epoch)."""
+
+  def __init__(self, loss_sum: float, epoch: int, step: int):
+    self.loss_sum, self.epoch, self.step = loss_sum, epoch, step
+    super().__init__(f'the training loss is {loss_sum} at step {step} (epoch {epoch})')
+
+
 def _without_frozen(state: dict) -> dict:
   """The part of a trainer state that a train step reads and writes."""
   return {k: v for k, v in state.items() if k != 'frozen'}
@@ -338,13 +348,16 @@ class Trainer:
         self._record_timing(self.plan, time.perf_counter() - t0)
       steps += 1
       progress.update(1)
-      if steps % 10 == 0:
-        progress.set_postfix(loss=f'{float(self.state["sums"][0]) / steps:.4f}')
+      if steps % 10 == 0:  # the loss leaves the device only here and at the epoch's end
+        loss_sum = float(self.state['sums'][0])
+        self._check_finite(loss_sum, epoch, first_step + steps)
+        progress.set_postfix(loss=f'{loss_sum / steps:.4f}')
       step = first_step + steps
       if every and step % every == 0 and step < last_step:
         transition_seconds += self.maybe_transition(epoch, batch)
         self.prepare_next(batch)
     sums = np.asarray(self.state['sums'])
+    self._check_finite(float(sums[0]), epoch, int(self.state['step']))
     seconds = time.perf_counter() - start
     self.state['sums'] = _zeros_like(self.state['sums'])
     return {'train_loss': float(sums[0] / max(steps, 1)),
@@ -353,6 +366,12 @@ class Trainer:
             'epoch_seconds': seconds - transition_seconds, 'steps': steps,
             'transition_seconds': transition_seconds,
             'samples_per_second': steps * loader.batch_size / seconds}
+
+  @staticmethod
+  def _check_finite(loss_sum: float, epoch: int, step: int) -> None:
+    """Stops training on a NaN or infinite loss (see :class:`LossNotFinite`)."""
+    if not math.isfinite(loss_sum):
+      raise LossNotFinite(loss_sum, epoch, step)
 
   def evaluate(self, params: Params | None = None) -> dict[str, float]:
     """Evaluation metrics, at least ``{'eval_accuracy': ...}``, on the eval

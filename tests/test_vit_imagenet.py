@@ -101,3 +101,22 @@ def test_bad_input_is_one_line(tmp_path, args, message):
   assert out.returncode != 0
   assert message in out.stderr
   assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch, capsys):
+  """A NaN loss is a one-line error with the step; no diverged state is saved."""
+  real = elastic.datasets.digits
+
+  def poisoned(seed=0):
+    data = real(seed=seed)
+    data.train.arrays['pixel_values'] = np.full_like(data.train.arrays['pixel_values'], np.nan)
+    return data
+
+  monkeypatch.setattr(elastic.datasets, 'digits', poisoned)
+  config = _config(tmp_path, **{'data.name': 'digits'})
+  code = elastic.main(config, str(tmp_path / 'run'), task='vit')
+  err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
+  assert code == 2 and len(err) == 1 and err[0].startswith('error: ')  # (besides tqdm's bar)
+  assert 'the training loss is nan at step 5 (epoch 0)' in err[0]
+  assert 'Last good checkpoint: none' in err[0]
+  assert not os.listdir(tmp_path / 'run' / 'checkpoints')
