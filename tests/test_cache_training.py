@@ -3,6 +3,9 @@ prefix, and no sample through a frozen layer twice."""
 import numpy as np
 import pytest
 
+from pipejax.data import ArraySource
+from pipejax.frozen_prefix import make_cache
+
 from tests.test_trainer import _Bar, _config, _trainer
 
 
@@ -72,8 +75,6 @@ def test_disk_tier_with_prefetch_equals_uncached(uncached, tmp_path):
 
 
 def test_randomly_augmented_input_is_not_cached_unless_accepted():
-  from pipejax.data import ArraySource
-
   class Augmented(ArraySource):
     randomly_augmented = True
 
@@ -84,7 +85,6 @@ def test_randomly_augmented_input_is_not_cached_unless_accepted():
     trainer, data = _trainer(config)
     messages = []
     trainer.train_loader.source = Augmented(data)
-    from pipejax.frozen_prefix import make_cache
     cache = make_cache(config, trainer.model, trainer.train_loader.source,
                        trainer.canonical_params(), '/nonexistent', messages.append)
     assert (cache is not None) == accept

@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import elastic, vit_imagenet
-
-ROWS = ('epoch', 'frozen_layers', 'pipeline_length', 'replicas', 'micro_batches', 'cache',
-        'train_loss', 'eval_accuracy', 'epoch_seconds', 'samples_per_second',
-        'transition_seconds')
-
+from tests import fixtures
 
 def _config(tmp_path, **overrides):
   config = vit_imagenet.get_config()
@@ -23,36 +19,14 @@ def _config(tmp_path, **overrides):
     config.pipeline.profile_path = str(tmp_path / 'profile.json')
     config.freeze.policy = 'schedule'
     config.freeze.alpha = 0.5
-    for key, value in overrides.items():
-      node = config
-      *path, leaf = key.split('.')
-      for p in path:
-        node = node[p]
-      node[leaf] = value
+    fixtures.override(config, overrides)
   return config
-
-
-def _check_outputs(workdir, epochs):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    rows = [json.loads(line) for line in f]
-  assert len(rows) == epochs
-  for row in rows:
-    assert set(ROWS) <= set(row)
-    assert np.isfinite(row['train_loss'])
-  with open(os.path.join(workdir, 'summary.json')) as f:
-    summary = json.load(f)
-  for key in ('mode', 'config', 'total_seconds', 'final_eval_accuracy', 'best_eval_accuracy',
-              'transitions'):
-    assert key in summary
-  assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
-  assert os.listdir(os.path.join(workdir, 'checkpoints'))
-  return rows, summary
 
 
 def test_default_config_smoke(tmp_path):
   workdir = str(tmp_path / 'run')
   summary = elastic.run(_config(tmp_path, **{'data.name': 'digits'}), workdir, task='vit')
-  rows, saved = _check_outputs(workdir, 2)
+  rows, saved = fixtures.check_run_outputs(workdir, 2)
   assert rows[0]['pipeline_length'] == 8 and rows[0]['frozen_layers'] == 0
   # α = 0.5 on 12 layers freezes 6 after the first epoch.
   assert rows[1]['frozen_layers'] == 6
@@ -77,7 +51,7 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
   with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
     summary = elastic.run(config, workdir, task='vit')
   assert summary['data'] == 'imagenet2012'
-  rows, _ = _check_outputs(workdir, 2)
+  rows, _ = fixtures.check_run_outputs(workdir, 2)
   assert rows[1]['frozen_layers'] == 2
 
 
