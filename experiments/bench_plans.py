@@ -37,35 +37,18 @@ from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
 
 
-def _parse(argv):
-  workdir, overrides = None, []
-  for arg in argv:
-    if arg.startswith('--workdir='):
-      workdir = arg.split('=', 1)[1]
-    elif arg.startswith('--config.'):
-      overrides.append(arg[len('--config.'):])
-    else:
-      raise SystemExit(f'error: unexpected argument {arg!r} (use --workdir=DIR and '
-                       f'--config.KEY=VALUE)')
-  if not workdir:
-    raise SystemExit('error: --workdir=DIR is required')
-  return workdir, overrides
-
-
 def main(argv=None) -> int:
-  workdir, overrides = _parse(sys.argv[1:] if argv is None else argv)
-  config = vit_imagenet.get_config()
+  # The main job's own config file and flags: the same keys, types and checks.
+  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv)
+  if parsed is None:
+    return 2
+  config, workdir = parsed
+  if not workdir:
+    print('error: --workdir=DIR is required', file=sys.stderr)
+    return 2
   with config.unlocked():
     config.checkpoint.enabled = False
     config.cache.enabled = False
-    for item in overrides:
-      key, value = item.split('=', 1)
-      node = config
-      *path, leaf = key.split('.')
-      for p in path:
-        node = node[p]
-      node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else (
-          value.lower() in ('1', 'true'))
   os.makedirs(workdir, exist_ok=True)
   data = elastic.resolve_data(config)
   created = elastic.resolve_model(config, data)

@@ -297,9 +297,10 @@ def main(config, workdir: str | None, task: str) -> int:
   return 0
 
 
-def cli(config_file: str, task: str) -> int:
-  """Parses ``--config`` (this config file by default, with overrides) and
-  ``--workdir``, then runs; flag errors are one line too."""
+def parse_command_line(config_file: str, argv=None):
+  """``--config`` (``config_file`` by default, with overrides) and
+  ``--workdir``; returns ``(config, workdir)``, or None after printing a
+  one-line error."""
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
   try:
@@ -307,13 +308,22 @@ def cli(config_file: str, task: str) -> int:
     config_flags.DEFINE_config_file('config', config_file, 'the run configuration',
                                     lock_config=True)
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
-    rest = flags.FLAGS(sys.argv)
+    rest = flags.FLAGS(sys.argv if argv is None else argv)
   except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f'error: bad command line: {detail} (a config key that does not exist, or a value '
           f'of the wrong type; see --helpfull)', file=sys.stderr)
-    return 2
+    return None
   if len(rest) > 1:
     print(f'error: unexpected arguments {rest[1:]}', file=sys.stderr)
+    return None
+  return flags.FLAGS.config, flags.FLAGS.workdir
+
+
+def cli(config_file: str, task: str) -> int:
+  """Parses the command line (:func:`parse_command_line`), then runs; flag
+  errors are one line too."""
+  parsed = parse_command_line(config_file)
+  if parsed is None:
     return 2
-  return main(flags.FLAGS.config, flags.FLAGS.workdir, task)
+  return main(*parsed, task)

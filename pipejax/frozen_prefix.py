@@ -60,6 +60,7 @@ class FrozenPrefix:
     self.model, self.devices, self.source = model, list(devices), source
     self.cache, self.policy, self.log = cache, policy, log
     self.use_cache = False
+    self._batch_size = 0  # the global batch, set at each depth change
     self.decisions: list[autocache_policy.CachingDecision] = []
     self._prefixes: dict[tuple[int, int], Any] = {}
     self._advances: dict[tuple[int, int, int], Any] = {}
@@ -210,7 +211,7 @@ class FrozenPrefix:
     if self.cache is None or plan.partition.num_frozen_layers == 0:
       return 0.0
     start = time.perf_counter()
-    depth, old = plan.partition.num_frozen_layers, self.cache.depth
+    depth = plan.partition.num_frozen_layers
     stats = self.cache.stats()
     filled = self.use_cache and stats['memory_entries'] + stats['disk_entries'] > 0
     self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
@@ -218,10 +219,8 @@ class FrozenPrefix:
       self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
                                                                           d0),
                          ADVANCE_BATCHES * batch_size)
-    else:
+    else:  # nothing to carry over: entries (if any) were filled at a depth no longer served
       self.cache.advance(depth)
-      self.cache.evict_stale()
-    if not self.use_cache and old != depth:
       self.cache.clear()
     return time.perf_counter() - start
 
