@@ -22,7 +22,7 @@ from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, sch
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader
 from pipejax.partition import PartitionError
-from pipejax.trainer import LossNotFinite, Trainer
+from pipejax.trainer import PROFILE_ROUNDS, LossNotFinite, Trainer
 
 
 class ConfigError(ValueError):
@@ -248,6 +248,7 @@ def run(config, workdir: str | None, task: str) -> dict:
   summary = {
       'mode': mode, 'task': task, 'data': data.name, 'config': config.to_dict(),
       'devices': len(devices), 'platform': devices[0].platform,
+      'num_layers': model.num_layers,
       'total_seconds': time.perf_counter() - start,
       'train_seconds': result['seconds'],
       'final_eval_accuracy': rows[-1]['eval_accuracy'],
@@ -259,6 +260,7 @@ def run(config, workdir: str | None, task: str) -> dict:
       'freeze_decisions': [d.__dict__ for d in trainer.policy.state.history],
       'cache_decisions': [d.__dict__ for d in trainer.prefix.decisions],
       'cache': trainer.prefix.stats(),
+      'micro_batch_rounds': PROFILE_ROUNDS + 1,  # per candidate, with warm-up
       'micro_batch_timings': {str(k): v for k, v in trainer.micro_batch_timings.items()},
       'final_plan': trainer.plan.describe(),
   }

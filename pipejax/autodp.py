@@ -89,6 +89,21 @@ def state_shardings(state_shapes: dict, mesh: Mesh) -> dict:
   return out
 
 
+def on_mesh(tree, mesh: Mesh):
+  """``tree`` (arrays, or ``ShapeDtypeStruct``\\ s with shardings) with the
+  same partition specs on ``mesh``: a copy where it lives on other devices
+  (a run without AutoDP uses K devices, fewer after compression), else
+  ``tree`` itself."""
+  def move(x):
+    if set(x.sharding.device_set) == set(mesh.devices.flat):
+      return x
+    sharding = NamedSharding(mesh, x.sharding.spec)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+  return jax.tree.map(move, tree)
+
+
 def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
                 optimizer_init):
   """The jitted move of a trainer state from partition ``old`` to ``new``.

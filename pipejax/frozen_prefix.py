@@ -68,7 +68,7 @@ class FrozenPrefix:
 
   # -- compiled functions --------------------------------------------------------
   def mesh(self, plan: pipeline.Plan):
-    return pipeline.make_mesh(plan.pipeline_length, self.devices)
+    return pipeline.make_mesh(plan.pipeline_length, self.devices[:plan.num_devices])
 
   def spread(self, plan: pipeline.Plan) -> NamedSharding:
     """Split over every device: the prefix's input."""

@@ -315,10 +315,10 @@ class Pipeline:
     return len(self.traces)
 
   def mesh(self, plan: Plan) -> Mesh:
-    if plan.num_devices != len(self.devices):
+    if plan.num_devices > len(self.devices):
       raise PlanError(f'plan needs R x K = {plan.replicas} x {plan.pipeline_length} = '
-                      f'{plan.num_devices} devices but {len(self.devices)} are in use')
-    return make_mesh(plan.pipeline_length, self.devices)
+                      f'{plan.num_devices} devices but only {len(self.devices)} are in use')
+    return make_mesh(plan.pipeline_length, self.devices[:plan.num_devices])
 
   def _build(self, plan: Plan, stage_params: Params, train: bool, forward: bool):
     key = (plan, train, forward, jax.tree.structure(stage_params))

@@ -21,6 +21,9 @@ def setup(cpu_devices: int = 8) -> None:
   os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
   warnings.filterwarnings('ignore', message='.*TensorFlow and JAX classes are deprecated.*')
+  # A transition's move donates the old layout, whose buffers rarely fit the
+  # new one; JAX warns about every such buffer (harmless: they are freed).
+  warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
   from absl import logging as absl_logging  # noqa: PLC0415
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
   import jax  # noqa: PLC0415 - must follow the environment set-up above

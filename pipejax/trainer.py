@@ -46,6 +46,8 @@ class Transition:
   compile_seconds: float
   compiled_ahead: bool
   cache_seconds: float = 0.0
+  total_seconds: float = 0.0  # the whole transition: decision, compile wait, move, cache
+  warmup_seconds: float = 0.0  # the new plan's first step beyond the epoch's mean step
 
 
 def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
@@ -87,6 +89,16 @@ def _correct(metrics: dict) -> jax.Array:
 def _zeros_like(x: jax.Array) -> jax.Array:
   """Zeros with ``x``'s sharding (compiled steps insist on their shardings)."""
   return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
+
+
+def optimizer_for(train, steps_per_epoch: int):
+  """``(learning-rate schedule, optimizer)`` of a ``config.train`` section:
+  AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0."""
+  total = max(1, train.epochs * steps_per_epoch)
+  warmup = int(train.warmup_epochs * steps_per_epoch)
+  lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, max(1, warmup), total,
+                                          end_value=0.0)
+  return lr, optax.adamw(lr, weight_decay=train.weight_decay)
 
 
 class Trainer:
@@ -141,11 +153,7 @@ class Trainer:
          'batch_mode': c.train.batch_mode, 'devices': self.num_devices,
          'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule})
     self.steps_per_epoch = train_loader.steps_per_epoch()
-    total = max(1, c.train.epochs * self.steps_per_epoch)
-    warmup = int(c.train.warmup_epochs * self.steps_per_epoch)
-    self.lr = optax.warmup_cosine_decay_schedule(0.0, c.train.learning_rate, max(1, warmup),
-                                                 total, end_value=0.0)
-    self.optimizer = optax.adamw(self.lr, weight_decay=c.train.weight_decay)
+    self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[pipeline.Plan, Any] = {}
     self._eval = None
     self._executables: dict[pipeline.Plan, Any] = {}
@@ -155,6 +163,7 @@ class Trainer:
     self._announced: set[int] = set()
     self._portable: dict[part.Partition, Any] = {}
     self.transitions: list[Transition] = []
+    self._first_step_pending = False  # time the first step after a transition
     self.micro_batch_timings: dict[int, dict[int, float]] = {}
     partition = autopipe.partition_for(self.costs, 0, self.initial_length,
                                        c.freeze.lambda_frozen).partition
@@ -166,7 +175,8 @@ class Trainer:
   def _plan(self, partition: part.Partition, micro_batches: int | None,
             initial: bool = False) -> pipeline.Plan:
     k = partition.pipeline_length
-    replicas = autodp.replicas_for(self.num_devices, k)
+    # Without AutoDP (an ablation) one pipeline runs on K devices; the rest idle.
+    replicas = autodp.replicas_for(self.num_devices, k) if self.config.pipeline.autodp else 1
     m = micro_batches or self.config.pipeline.micro_batches or k
     plan = pipeline.Plan(partition, replicas, m, self.config.pipeline.schedule)
     per_replica = self.batch_size(plan) // replicas
@@ -190,7 +200,8 @@ class Trainer:
     return autopipe.micro_batch_candidates(plan.pipeline_length, per_replica)
 
   def mesh(self, plan: pipeline.Plan) -> Mesh:
-    return pipeline.make_mesh(plan.pipeline_length, self.devices)
+    """The plan's ``(R, K)`` mesh over the first R·K devices."""
+    return pipeline.make_mesh(plan.pipeline_length, self.devices[:plan.num_devices])
 
   # -- state -------------------------------------------------------------------
   def _init_fn(self, partition: part.Partition):
@@ -219,10 +230,15 @@ class Trainer:
     ``{'params', 'opt', 'step', 'rng'}`` with the optimizer moments as
     canonical trees (zero for frozen blocks). Its structure is the same for
     every plan, so checkpoints are layout-free and cheap to write."""
-    return self._portable_fn(self.plan.partition)(self.state)
+    portable = self._portable_fn(self.plan)(self.state)
+    if self.plan.num_devices < self.num_devices:  # no AutoDP: spread to every device
+      portable = jax.device_put(portable, NamedSharding(self._flat_mesh, P()))
+    return portable
 
-  def _portable_fn(self, partition: part.Partition):
-    if partition not in self._portable:
+  def _portable_fn(self, plan: pipeline.Plan):
+    partition = plan.partition
+    key = (partition, plan.num_devices)
+    if key not in self._portable:
       def portable(s):
         zeros = jax.tree.map(jnp.zeros_like, s['frozen'])
         return {'params': part.from_stage_params(s['active'], partition, s['frozen']),
@@ -230,9 +246,9 @@ class Trainer:
                     lambda t: part.from_stage_params(t, partition, zeros), s['opt']),
                 'step': s['step'], 'rng': s['rng']}
 
-      self._portable[partition] = jax.jit(portable,
-                                          out_shardings=NamedSharding(self._flat_mesh, P()))
-    return self._portable[partition]
+      mesh = self._flat_mesh if plan.num_devices == self.num_devices else self.mesh(plan)
+      self._portable[key] = jax.jit(portable, out_shardings=NamedSharding(mesh, P()))
+    return self._portable[key]
 
   def canonical_params(self) -> Params:
     """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
@@ -332,6 +348,7 @@ class Trainer:
     start = time.perf_counter()
     steps = 0
     transition_seconds = 0.0
+    first_step_seconds = None
     last_step = self.config.train.epochs * self.steps_per_epoch
     first_step = int(self.state['step']) if every else 0  # one host sync per epoch
     self.prefix.prefetch(loader.batch_ids(epoch))
@@ -339,13 +356,18 @@ class Trainer:
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
       fn = self._executables.get(self.plan) or self._train_step(self.plan)
-      if timed:  # time this step alone, not the tail of the one before
+      first = self._first_step_pending
+      if timed or first:  # time this step alone, not the tail of the one before
         jax.block_until_ready(self.state)
       t0 = time.perf_counter()
       self._run_step(fn, self._feed(sample_ids, batch, self.plan))
-      if timed:
+      if timed or first:
         jax.block_until_ready(self.state['sums'])
-        self._record_timing(self.plan, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        if timed:
+          self._record_timing(self.plan, elapsed)
+        if first:
+          first_step_seconds, self._first_step_pending = elapsed, False
       steps += 1
       progress.update(1)
       if steps % 10 == 0:  # the loss leaves the device only here and at the epoch's end
@@ -359,6 +381,9 @@ class Trainer:
     sums = np.asarray(self.state['sums'])
     self._check_finite(float(sums[0]), epoch, int(self.state['step']))
     seconds = time.perf_counter() - start
+    if first_step_seconds is not None and self.transitions:
+      mean_step = (seconds - transition_seconds) / max(steps, 1)
+      self.transitions[-1].warmup_seconds = max(0.0, first_step_seconds - mean_step)
     self.state['sums'] = _zeros_like(self.state['sums'])
     return {'train_loss': float(sums[0] / max(steps, 1)),
             'train_accuracy': (None if np.isnan(sums[1])  # a regression head
@@ -420,7 +445,9 @@ class Trainer:
                state_shapes: dict, sample_batch: dict):
     """Compiles the move to ``new`` and the train steps of ``plans``."""
     start = time.perf_counter()
-    move, new_shapes = autodp.relayout_fn(state_shapes, old, new, self.mesh(plans[0]),
+    mesh = self.mesh(plans[0])
+    state_shapes = autodp.on_mesh(state_shapes, mesh)  # no AutoDP: K shrank, fewer devices
+    move, new_shapes = autodp.relayout_fn(state_shapes, old, new, mesh,
                                           self.optimizer.init)
     move = move.lower(state_shapes).compile()
     prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],
@@ -428,7 +455,7 @@ class Trainer:
     feed = prefixes.pop('feed')
     steps = {plan: self._train_step(plan).lower(_without_frozen(new_shapes), feed).compile()
              for plan in plans}
-    self._portable_fn(new).lower(new_shapes).compile()  # warms the persistent cache
+    self._portable_fn(plans[0]).lower(new_shapes).compile()  # warms the persistent cache
     return move, steps, prefixes, time.perf_counter() - start
 
   def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:
@@ -489,7 +516,7 @@ class Trainer:
     self._executables.update(steps)
     self.prefix.adopt(prefixes)
     t0 = time.perf_counter()
-    self.state = move(self.state)
+    self.state = move(autodp.on_mesh(self.state, self.mesh(plans[0])))
     jax.block_until_ready(self.state)
     reshard = time.perf_counter() - t0
     self.plan = plans[0]
@@ -498,7 +525,8 @@ class Trainer:
                                         self.batch_size(new), self._epochs_left())
     self.transitions.append(Transition(epoch, int(self.state['step']), decision.result,
                                        old.describe(), new.describe(), reshard, compile_s,
-                                       ahead_used, cache_s))
+                                       ahead_used, cache_s, time.perf_counter() - start))
+    self._first_step_pending = True
     self.log(f'  transition: {old.describe()} -> {new.describe()} (reshard {reshard:.2f}s, '
              f'cache {cache_s:.2f}s, compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')
     return time.perf_counter() - start

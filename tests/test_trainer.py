@@ -153,3 +153,33 @@ def test_freeze_timestep_in_steps():
   assert [t.step for t in trainer.transitions] == [2, 4]
   assert stats['steps'] == 4 and stats['transition_seconds'] > 0
   assert trainer.plan.partition.num_frozen_layers == 3
+
+
+def test_without_autodp_one_pipeline_on_k_devices_same_losses():
+  """The AutoDP ablation: compression frees devices that stay idle (R = 1);
+  the maths are unchanged, so the losses match the AutoDP run's."""
+  def run(autodp_on):
+    config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
+    with config.unlocked():
+      config.pipeline.autodp = autodp_on
+      config.cache.policy = 'always'
+    trainer, _ = _trainer(config)
+    sample = next(iter(trainer.train_loader.epoch(0)))[1]
+    losses, plans = [], []
+    for epoch in range(3):
+      losses.append(trainer.train_epoch(epoch, _Bar())['train_loss'])
+      plans.append((trainer.plan.pipeline_length, trainer.plan.replicas))
+      trainer.maybe_transition(epoch, sample)
+    accuracy = trainer.evaluate()['eval_accuracy']
+    return losses, plans, accuracy, trainer
+
+  losses, plans, accuracy, trainer = run(False)
+  ref_losses, ref_plans, ref_accuracy, _ = run(True)
+  assert [k for k, _ in plans] == [k for k, _ in ref_plans]
+  assert plans[-1][0] < 4, plans  # compressed
+  assert all(r == 1 for _, r in plans) and ref_plans[-1][1] == 8 // ref_plans[-1][0]
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert accuracy == pytest.approx(ref_accuracy, abs=1e-6)
+  k = trainer.plan.pipeline_length  # the state lives on the first K devices only
+  used = {d for leaf in jax.tree.leaves(trainer.state) for d in leaf.sharding.device_set}
+  assert used == set(trainer.devices[:k])

@@ -1,0 +1,431 @@
+"""The paper's performance analysis, side by side on this machine:
+``python -m experiments.reproduce --workdir DIR [--only NAME[,NAME]] [--config...]``.
+
+Parts (each writes ``DIR/<part>.json`` and ``DIR/<part>.png``):
+
+* ``breakdown`` (paper Fig. 9) — ``baseline`` (no freezing, static pipeline
+  of the starting length), ``freeze`` (freezing; the pipeline keeps its
+  length, AutoPipe only rebalances the active layers over it), ``freeze+autopipe``
+  (+ compression K → K/2; the freed devices idle), ``freeze+autopipe+autodp``
+  (+ replicas on the freed devices), ``full`` (+ AutoCache), and ``plain_dp``
+  (the same HF Flax ViT with plain ``jax.jit`` data parallelism,
+  ``experiments.plain_dp``).
+* ``alpha`` (Fig. 10a) — ``full`` at α ∈ {0.1, 0.2, 1/3, 0.5}: speed-up over
+  ``baseline`` and accuracy.
+* ``microbatches`` (Fig. 10b) — train-step throughput for M ∈ {K, …, 6K}
+  (those that divide a replica's batch) at every pipeline length the freeze
+  schedule reaches.
+* ``transitions`` (Table 4) — the ``full`` run's transitions: compile wait,
+  reshard, cache, first-step warm-up, micro-batch search and total seconds.
+* ``table1`` (Table 1) — ``baseline`` and ``full`` over seeds 0, 1, 2:
+  accuracy and time, mean ± std.
+
+Every run is a fresh process on the same machine, one after the other, with
+the main job's config (``experiments.vit_imagenet``: the embedded default
+unless ``--config``/overrides say otherwise, passed to every run) and
+checkpoints off (``plain_dp`` writes none). Runs that parts share (e.g. the
+seed-0 ``full`` run) run once. ``--compile-cache warm`` (default) gives the
+runs a persistent compilation cache and M-profile in DIR, filled by one
+unreported run of each configuration first (a user's second run);
+``cold`` gives every run empty ones (a first run: compiling and profiling
+are paid in full).
+
+Reported times are end to end inside the process (``total_seconds``: data,
+model, compiling, training, transitions, evaluation after every epoch; not
+the Python imports). ``flop_limit_speedup`` is what the run's freeze schedule
+allows: per sample, a trained block costs 4 units (forward, recomputed
+forward, backward), a frozen block 1 (its forward), a frozen block served by
+the cache 0 (the cache's own layer passes are counted); the baseline trains
+all blocks. ``efficiency`` = measured speed-up / that limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PARTS = ('breakdown', 'alpha', 'microbatches', 'transitions', 'table1')
+MAIN, PLAIN = 'experiments.vit_imagenet', 'experiments.plain_dp'
+NO_CACHE = ['--config.cache.enabled=False']
+BREAKDOWN = {
+    'baseline': (MAIN, ['--config.freeze.policy=none'] + NO_CACHE),
+    'freeze': (MAIN, ['--config.freeze.compress=False', '--config.pipeline.autodp=False']
+               + NO_CACHE),
+    'freeze+autopipe': (MAIN, ['--config.pipeline.autodp=False'] + NO_CACHE),
+    'freeze+autopipe+autodp': (MAIN, NO_CACHE),
+    'full': (MAIN, []),
+    'plain_dp': (PLAIN, []),
+}
+ALPHAS = (0.1, 0.2, 1 / 3, 0.5)
+SEEDS = (0, 1, 2)
+TARGETS = {'full_vs_baseline': 2.5, 'full_vs_plain_dp': 1.3, 'accuracy_points': 1.0}
+
+
+# -- running ---------------------------------------------------------------------
+class Runner:
+  """Runs the main job (or ``plain_dp``) in fresh processes; each distinct
+  command once per invocation."""
+
+  def __init__(self, workdir: str, passthrough: list[str], compile_cache: str):
+    self.workdir, self.passthrough, self.compile_cache = workdir, passthrough, compile_cache
+    self.results: dict[tuple, dict] = {}
+    self.warmup_seconds: dict[str, float] = {}
+
+  def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float]:
+    workdir = os.path.join(self.workdir, 'runs', name)
+    env = dict(os.environ)
+    if self.compile_cache == 'warm':
+      env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(self.workdir, 'jax-cache')
+      profile = os.path.join(self.workdir, 'micro_batches.json')
+    else:
+      env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(workdir + '.jax-cache')
+      profile = workdir + '.micro_batches.json'
+    cmd = [sys.executable, '-m', module, f'--workdir={workdir}', *self.passthrough, *args,
+           '--config.checkpoint.enabled=False', f'--config.pipeline.profile_path={profile}']
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+      tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
+      raise SystemExit(f'error: run {name!r} failed ({" ".join(cmd)}): {tail}')
+    return workdir, time.perf_counter() - start
+
+  def run(self, name: str, module: str, args: list[str]) -> dict:
+    """The summary and rows of ``module`` with ``args`` (run now or earlier)."""
+    key = (module, tuple(args))
+    if key in self.results:
+      return self.results[key]
+    if self.compile_cache == 'warm':
+      print(f'  {name}: warm-up run (not reported) ...', flush=True)
+      _, self.warmup_seconds[name] = self._process(f'warmup-{name}', module, args)
+    print(f'  {name} ...', flush=True)
+    workdir, seconds = self._process(name, module, args)
+    with open(os.path.join(workdir, 'summary.json')) as f:
+      summary = json.load(f)
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      rows = [json.loads(line) for line in f]
+    result = {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': seconds}
+    print(f'  {name}: {summary["total_seconds"]:.1f}s, accuracy '
+          f'{summary["final_eval_accuracy"]:.4f}', flush=True)
+    self.results[key] = result
+    return result
+
+  def variant(self, name: str, extra: list[str] = ()) -> dict:
+    module, args = BREAKDOWN[name]
+    return self.run(name, module, args + list(extra))
+
+
+# -- figures of merit ---------------------------------------------------------------
+def samples_trained(summary: dict, rows: list[dict]) -> list[int]:
+  """Samples trained in each epoch (steps × global batch)."""
+  train = summary['config']['train']
+  out, step = [], 0
+  for row in rows:
+    per_step = train['batch_size'] * (row['replicas'] if train['batch_mode'] == 'per_pipeline'
+                                      else 1)
+    out.append((row['step'] - step) * per_step)
+    step = row['step']
+  return out
+
+
+def flop_limit_speedup(summary: dict, rows: list[dict]) -> float:
+  """Baseline block work / this run's (see the module docstring)."""
+  blocks = summary['num_layers']
+  samples = samples_trained(summary, rows)
+  passes_before = 0
+  baseline = work = 0.0
+  for row, n in zip(rows, samples):
+    frozen = row['frozen_layers']
+    passes = row.get('cache_layer_passes', 0)
+    frozen_work = (passes - passes_before) if row.get('cache') else frozen * n
+    passes_before = passes
+    baseline += 4 * blocks * n
+    work += 4 * (blocks - frozen) * n + frozen_work
+  return baseline / work if work else 1.0
+
+
+def describe_run(result: dict, reference: dict | None) -> dict:
+  """One table row: time, accuracy, throughput, limits, and where the time went."""
+  s, rows = result['summary'], result['rows']
+  total = s['total_seconds']
+  limit = flop_limit_speedup(s, rows)
+  speedup = reference['summary']['total_seconds'] / total if reference else None
+  epochs = sum(r['epoch_seconds'] for r in rows)
+  train_speedup = (sum(r['epoch_seconds'] for r in reference['rows']) / epochs
+                   if reference else None)
+  return {
+      'total_seconds': total, 'final_eval_accuracy': s['final_eval_accuracy'],
+      'samples_per_second': sum(samples_trained(s, rows)) / total,
+      'flop_limit_speedup': limit, 'speedup': speedup,
+      'efficiency': speedup / limit if speedup else None,
+      'train_speedup': train_speedup,
+      'train_efficiency': train_speedup / limit if train_speedup else None,
+      # Where the time went (seconds).
+      'epochs_seconds': epochs,
+      'transition_seconds': sum(r['transition_seconds'] for r in rows),
+      'eval_seconds': sum(r.get('eval_seconds', 0.0) for r in rows),
+      'startup_seconds': total - s['train_seconds'],
+      'frozen_layers': [r['frozen_layers'] for r in rows],
+      'pipeline_length': [r['pipeline_length'] for r in rows],
+      'replicas': [r['replicas'] for r in rows],
+      'cache': [bool(r.get('cache')) for r in rows],
+      'process_seconds': result['process_seconds'],
+  }
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+  """Prints ``rows`` with ``(key, header, format)`` columns."""
+  print('  '.join(f'{h:>{max(len(h), 8)}}' for _, h, _ in columns))
+  for r in rows:
+    cells = []
+    for key, h, fmt in columns:
+      v = r.get(key)
+      cells.append(f'{("-" if v is None else format(v, fmt)):>{max(len(h), 8)}}')
+    print('  '.join(cells))
+
+
+def _write(workdir: str, name: str, payload: dict) -> None:
+  with open(os.path.join(workdir, f'{name}.json'), 'w') as f:
+    json.dump({'command': ' '.join(sys.argv), 'machine': _machine(), **payload}, f, indent=2)
+
+
+def _machine() -> str:
+  import platform  # noqa: PLC0415
+  return f'{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}'
+
+
+def _figure(workdir: str, name: str, draw) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, ax = plt.subplots(figsize=(6.4, 3.4))
+  draw(ax)
+  fig.tight_layout()
+  fig.savefig(os.path.join(workdir, f'{name}.png'), dpi=80)
+  plt.close(fig)
+
+
+# -- parts ------------------------------------------------------------------------
+def breakdown(runner: Runner, workdir: str) -> dict:
+  results = {name: runner.variant(name) for name in BREAKDOWN}
+  base = results['baseline']
+  rows = [{'variant': name, **describe_run(r, base)} for name, r in results.items()]
+  by = {r['variant']: r for r in rows}
+  full, plain = by['full'], by['plain_dp']
+  targets = {
+      'full_vs_baseline': full['speedup'],
+      'full_vs_plain_dp': plain['total_seconds'] / full['total_seconds'],
+      'accuracy_points': 100 * (by['baseline']['final_eval_accuracy'] -
+                                full['final_eval_accuracy']),
+  }
+  met = {'full_vs_baseline': targets['full_vs_baseline'] >= TARGETS['full_vs_baseline'],
+         'full_vs_plain_dp': targets['full_vs_plain_dp'] >= TARGETS['full_vs_plain_dp'],
+         'accuracy_points': targets['accuracy_points'] <= TARGETS['accuracy_points']}
+  print('\nbreakdown (paper Fig. 9)')
+  _table(rows, [('variant', 'variant', '>22'), ('total_seconds', 'total s', '.1f'),
+                ('speedup', 'speed-up', '.2f'), ('flop_limit_speedup', 'FLOP limit', '.2f'),
+                ('efficiency', 'efficiency', '.2f'), ('train_speedup', 'train x', '.2f'),
+                ('final_eval_accuracy', 'accuracy', '.4f'),
+                ('samples_per_second', 'samples/s', '.0f'), ('epochs_seconds', 'epochs s', '.1f'),
+                ('transition_seconds', 'trans s', '.1f'), ('eval_seconds', 'eval s', '.1f'),
+                ('startup_seconds', 'startup s', '.1f')])
+  for key, value in targets.items():
+    print(f'  target {key}: {value:.2f} (target {"<=" if key == "accuracy_points" else ">="} '
+          f'{TARGETS[key]}) {"met" if met[key] else "NOT met"}')
+  payload = {'rows': rows, 'targets': targets, 'target_values': TARGETS, 'targets_met': met,
+             'compile_cache': runner.compile_cache}
+  _write(workdir, 'breakdown', payload)
+
+  def draw(ax):
+    names = [r['variant'] for r in rows]
+    x = range(len(rows))
+    ax.bar(x, [r['speedup'] for r in rows], color='tab:blue', label='measured speed-up')
+    ax.scatter(x, [r['flop_limit_speedup'] for r in rows], color='tab:red', marker='_', s=400,
+               label='FLOP limit', zorder=3)
+    for i, r in enumerate(rows):
+      ax.text(i, r['speedup'], f'{r["final_eval_accuracy"]:.3f}', ha='center', va='bottom',
+              fontsize=7)
+    ax.set_xticks(list(x), [n.replace('+', '+\n') for n in names], fontsize=7)
+    ax.set_ylabel('speed-up over baseline')
+    ax.set_title('breakdown (labels: final accuracy)', fontsize=9)
+    ax.legend(fontsize=7)
+  _figure(workdir, 'breakdown', draw)
+  return payload
+
+
+def alpha(runner: Runner, workdir: str) -> dict:
+  base = runner.variant('baseline')
+  rows = []
+  for a in ALPHAS:
+    extra = [] if a == 1 / 3 else [f'--config.freeze.alpha={a}']
+    r = runner.variant('full', extra) if not extra else runner.run(
+        f'full-alpha{a:g}', MAIN, BREAKDOWN['full'][1] + extra)
+    rows.append({'alpha': a, **describe_run(r, base)})
+  print('\nalpha (paper Fig. 10a)')
+  _table(rows, [('alpha', 'alpha', '.3f'), ('total_seconds', 'total s', '.1f'),
+                ('speedup', 'speed-up', '.2f'), ('flop_limit_speedup', 'FLOP limit', '.2f'),
+                ('efficiency', 'efficiency', '.2f'), ('final_eval_accuracy', 'accuracy', '.4f')])
+  payload = {'baseline': describe_run(base, None), 'rows': rows}
+  _write(workdir, 'alpha', payload)
+
+  def draw(ax):
+    xs = [r['alpha'] for r in rows]
+    ax.plot(xs, [r['speedup'] for r in rows], 'o-', label='speed-up')
+    ax.plot(xs, [r['flop_limit_speedup'] for r in rows], 'x--', label='FLOP limit')
+    ax.set_xlabel('α')
+    ax.set_ylabel('speed-up over baseline')
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r['final_eval_accuracy'] for r in rows], 's-', color='tab:green',
+             label='accuracy')
+    ax2.axhline(base['summary']['final_eval_accuracy'], color='tab:green', ls=':', lw=1)
+    ax2.set_ylabel('final accuracy (dotted: baseline)')
+    ax.legend(fontsize=7, loc='upper left')
+    ax.set_title('α: speed-up and accuracy', fontsize=9)
+  _figure(workdir, 'alpha', draw)
+  return payload
+
+
+def transitions(runner: Runner, workdir: str) -> dict:
+  full = runner.variant('full')
+  s = full['summary']
+  timings = {int(k): v for k, v in s.get('micro_batch_timings', {}).items()}
+  rounds = s['micro_batch_rounds']
+  rows = []
+  for t in s['transitions']:
+    k = int(t['new'].split()[0][2:])
+    search = 0.0
+    if k in timings and len(timings[k]) > 1:  # steps spent on slower M candidates
+      best = min(timings[k].values())
+      search = rounds * sum(v - best for v in timings[k].values())
+      timings.pop(k)  # paid once per K
+    rows.append({'epoch': t['epoch'], 'frozen_layers': t['frozen_layers'],
+                 'old': t['old'], 'new': t['new'], 'compile_seconds': t['compile_seconds'],
+                 'compiled_ahead': t['compiled_ahead'], 'reshard_seconds': t['reshard_seconds'],
+                 'cache_seconds': t['cache_seconds'], 'warmup_seconds': t['warmup_seconds'],
+                 'micro_batch_search_seconds': search, 'total_seconds': t['total_seconds']})
+  print('\ntransitions (paper Table 4): seconds')
+  _table(rows, [('epoch', 'epoch', 'd'), ('frozen_layers', 'F', 'd'),
+                ('compile_seconds', 'compile', '.2f'), ('reshard_seconds', 'reshard', '.2f'),
+                ('cache_seconds', 'cache', '.2f'), ('warmup_seconds', 'warm-up', '.2f'),
+                ('micro_batch_search_seconds', 'M search', '.2f'),
+                ('total_seconds', 'total', '.2f')])
+  payload = {'rows': rows, 'run_total_seconds': s['total_seconds'],
+             'compile_cache': runner.compile_cache}
+  _write(workdir, 'transitions', payload)
+
+  def draw(ax):
+    parts = [('compile_seconds', 'compile wait'), ('reshard_seconds', 'reshard'),
+             ('cache_seconds', 'cache'), ('warmup_seconds', 'first-step warm-up'),
+             ('micro_batch_search_seconds', 'M search')]
+    bottom = [0.0] * len(rows)
+    labels = [f'F={r["frozen_layers"]}\n{r["new"].split()[0]}' for r in rows]
+    for key, label in parts:
+      values = [r[key] for r in rows]
+      ax.bar(range(len(rows)), values, bottom=bottom, label=label)
+      bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylabel('seconds')
+    ax.set_title('transitions of the full run', fontsize=9)
+    ax.legend(fontsize=7)
+  _figure(workdir, 'transitions', draw)
+  return payload
+
+
+def table1(runner: Runner, workdir: str) -> dict:
+  def seed_run(name, seed):
+    if seed == 0:
+      return runner.variant(name)  # shared with the other parts
+    module, args = BREAKDOWN[name]
+    return runner.run(f'{name}-seed{seed}', module, args + [f'--config.seed={seed}'])
+
+  runs = {name: [seed_run(name, seed) for seed in SEEDS] for name in ('baseline', 'full')}
+
+  def stats(values):
+    return {'mean': statistics.mean(values),
+            'std': statistics.stdev(values) if len(values) > 1 else 0.0, 'values': values}
+
+  rows = []
+  for name, results in runs.items():
+    acc = stats([r['summary']['final_eval_accuracy'] for r in results])
+    secs = stats([r['summary']['total_seconds'] for r in results])
+    rows.append({'variant': name, 'seeds': list(SEEDS), 'accuracy': acc, 'total_seconds': secs})
+  speedups = [b['summary']['total_seconds'] / f['summary']['total_seconds']
+              for b, f in zip(runs['baseline'], runs['full'])]
+  print('\ntable1 (paper Table 1): mean ± std over seeds', list(SEEDS))
+  for r in rows:
+    print(f'  {r["variant"]:>8}: accuracy {r["accuracy"]["mean"]:.4f} ± '
+          f'{r["accuracy"]["std"]:.4f}, time {r["total_seconds"]["mean"]:.1f} ± '
+          f'{r["total_seconds"]["std"]:.1f} s')
+  print(f'  speed-up {statistics.mean(speedups):.2f}x (per seed '
+        f'{", ".join(f"{x:.2f}" for x in speedups)})')
+  payload = {'rows': rows, 'speedup': stats(speedups)}
+  _write(workdir, 'table1', payload)
+
+  def draw(ax):
+    names = [r['variant'] for r in rows]
+    ax.bar(names, [r['total_seconds']['mean'] for r in rows],
+           yerr=[r['total_seconds']['std'] for r in rows], color='tab:blue', capsize=4)
+    ax.set_ylabel('total seconds (mean ± std)')
+    for i, r in enumerate(rows):
+      ax.text(i, r['total_seconds']['mean'] / 2,
+              f'acc {r["accuracy"]["mean"]:.3f}\n± {r["accuracy"]["std"]:.3f}',
+              ha='center', fontsize=8, color='white')
+    ax.set_title(f'baseline vs pipejax over seeds {list(SEEDS)}', fontsize=9)
+  _figure(workdir, 'table1', draw)
+  return payload
+
+
+def microbatches(runner: Runner, workdir: str) -> dict:
+  """In a fresh process: :mod:`experiments.reproduce_microbatches`."""
+  out = os.path.join(workdir, 'microbatches.json')
+  cmd = [sys.executable, '-m', 'experiments.reproduce_microbatches', f'--workdir={workdir}',
+         *runner.passthrough]
+  print('  microbatches ...', flush=True)
+  proc = subprocess.run(cmd, text=True, check=False)
+  if proc.returncode:
+    raise SystemExit(f'error: the micro-batch sweep failed ({" ".join(cmd)})')
+  with open(out) as f:
+    return json.load(f)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split('\n\n')[0],
+      epilog='Other arguments (--config=FILE, --config.KEY=VALUE) go to every run.')
+  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--only', default=','.join(PARTS),
+                      help=f'comma-separated parts to run, of {", ".join(PARTS)}')
+  parser.add_argument('--compile-cache', choices=('warm', 'cold'), default='warm')
+  args, passthrough = parser.parse_known_args(argv)
+  only = [p.strip() for p in args.only.split(',') if p.strip()]
+  unknown = [p for p in only if p not in PARTS]
+  if unknown or not only:
+    print(f'error: unknown part(s) {unknown or only}; choose from {", ".join(PARTS)}',
+          file=sys.stderr)
+    return 2
+  bad = [a for a in passthrough if not a.startswith('--config')]
+  if bad:
+    print(f'error: unexpected arguments {bad} (only --config and --config.KEY=VALUE pass '
+          f'through)', file=sys.stderr)
+    return 2
+  if os.path.isdir(args.workdir) and os.listdir(args.workdir):
+    print(f'error: {args.workdir} is not empty; choose a fresh --workdir', file=sys.stderr)
+    return 2
+  os.makedirs(args.workdir, exist_ok=True)
+  runner = Runner(args.workdir, passthrough, args.compile_cache)
+  start = time.perf_counter()
+  done = {}
+  for part in PARTS:  # a fixed order: later parts reuse earlier runs
+    if part in only:
+      print(f'{part}:', flush=True)
+      done[part] = globals()[part](runner, args.workdir)
+  print(f'\nwrote {", ".join(f"{p}.json/.png" for p in done)} in {args.workdir} '
+        f'({time.perf_counter() - start:.0f}s)')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
