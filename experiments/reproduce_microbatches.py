@@ -58,16 +58,22 @@ def main(argv=None) -> int:
   parsed = elastic.parse_command_line(vit_imagenet.__file__, [sys.argv[0], *passthrough])
   if parsed is None:
     return 2
-  config, _ = parsed
+  sweep(parsed[0], args.workdir)
+  return 0
+
+
+def sweep(config, workdir: str) -> dict:
+  """Runs the sweep for ``config`` (the main job's); writes and returns
+  ``microbatches.json``'s content."""
   with config.unlocked():
     config.checkpoint.enabled = False
     config.cache.enabled = False
     config.pipeline.profile_path = ''
-  os.makedirs(args.workdir, exist_ok=True)
+  os.makedirs(workdir, exist_ok=True)
   data = elastic.resolve_data(config)
   created = elastic.resolve_model(config, data)
   loader = Loader(data.train, config.train.batch_size, seed=config.seed)
-  trainer = Trainer(created.model, created.params, config, args.workdir, loader, loader,
+  trainer = Trainer(created.model, created.params, config, workdir, loader, loader,
                     devices=jax.devices()[:config.pipeline.devices], log=lambda _: None)
   lengths = pipeline_lengths(trainer, config, created.model.num_layers)
   batches = list(loader.epoch(0))[:STEPS]
@@ -104,10 +110,10 @@ def main(argv=None) -> int:
            if skipped else ''), flush=True)
   out = {'command': ' '.join(sys.argv), 'rounds': ROUNDS, 'steps_per_round': STEPS,
          'lengths': {str(k): f for k, (f, _) in lengths.items()}, 'rows': rows}
-  with open(os.path.join(args.workdir, 'microbatches.json'), 'w') as fh:
+  with open(os.path.join(workdir, 'microbatches.json'), 'w') as fh:
     json.dump(out, fh, indent=2)
-  _plot(args.workdir, rows)
-  return 0
+  _plot(workdir, rows)
+  return out
 
 
 def _plot(workdir: str, rows: list[dict]) -> None:

@@ -1,0 +1,198 @@
+"""experiments.reproduce: the figures of merit on hand-computed runs, the parts'
+tables on synthetic runs, and a real (tiny) invocation end to end."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import reproduce
+from tests import fixtures
+
+
+def _summary(num_layers=4, batch=8, mode='constant', total=10.0, train=8.0, accuracy=0.9,
+             transitions=(), timings=None):
+  return {'num_layers': num_layers, 'total_seconds': total, 'train_seconds': train,
+          'final_eval_accuracy': accuracy,
+          'config': {'train': {'batch_size': batch, 'batch_mode': mode}},
+          'transitions': list(transitions), 'micro_batch_rounds': 3,
+          'micro_batch_timings': timings or {}}
+
+
+def _row(epoch, frozen, steps_done, cache=False, passes=0, replicas=1, seconds=2.0):
+  return {'epoch': epoch, 'frozen_layers': frozen, 'step': steps_done, 'cache': cache,
+          'cache_layer_passes': passes, 'replicas': replicas, 'pipeline_length': 4,
+          'epoch_seconds': seconds, 'transition_seconds': 0.5, 'eval_seconds': 0.25,
+          'eval_accuracy': 0.5}
+
+
+def test_flop_limit_counts_trained_frozen_and_cached_blocks():
+  # 4 blocks, 10 steps of 8 samples per epoch: F = 0, then 2 (computed), then 2 (cached;
+  # the cache computed 2 layers for 8 samples that epoch).
+  rows = [_row(0, 0, 10), _row(1, 2, 20), _row(2, 2, 30, cache=True, passes=16)]
+  n = 80
+  baseline = 3 * 16 * n
+  work = 16 * n + (8 * n + 2 * n) + (8 * n + 16)
+  assert reproduce.flop_limit_speedup(_summary(), rows) == pytest.approx(baseline / work)
+  # No freezing: no speed-up allowed.
+  assert reproduce.flop_limit_speedup(_summary(), [_row(0, 0, 10), _row(1, 0, 20)]) == 1.0
+  # A global batch that grows with R (per_pipeline) weighs later epochs more.
+  grown = [_row(0, 0, 10), _row(1, 2, 20, replicas=2)]
+  expected = (16 * 80 + 16 * 160) / (16 * 80 + 10 * 160)
+  assert reproduce.flop_limit_speedup(_summary(mode='per_pipeline'), grown) == pytest.approx(
+      expected)
+
+
+def test_describe_run_speedups_and_where_time_went():
+  base = {'summary': _summary(total=20.0, train=18.0), 'process_seconds': 25.0,
+          'rows': [_row(0, 0, 10, seconds=8.0), _row(1, 0, 20, seconds=8.0)]}
+  run = {'summary': _summary(total=10.0, train=8.0), 'process_seconds': 12.0,
+         'rows': [_row(0, 0, 10, seconds=4.0), _row(1, 2, 20, seconds=2.0)]}
+  r = reproduce.describe_run(run, base)
+  assert r['speedup'] == pytest.approx(2.0)
+  assert r['train_speedup'] == pytest.approx(16.0 / 6.0)
+  limit = (2 * 16 * 80) / (16 * 80 + 10 * 80)
+  assert r['flop_limit_speedup'] == pytest.approx(limit)
+  assert r['efficiency'] == pytest.approx(2.0 / limit)
+  assert r['samples_per_second'] == pytest.approx(160 / 10.0)
+  assert r['startup_seconds'] == pytest.approx(2.0)
+  assert r['transition_seconds'] == pytest.approx(1.0)
+  assert reproduce.describe_run(run, None)['speedup'] is None
+
+
+class _FakeRunner(reproduce.Runner):
+  """Synthetic runs: time falls and accuracy is fixed per variant and seed."""
+
+  def __init__(self):
+    super().__init__('/nonexistent', [], 'cold')
+    self.calls = []
+
+  def _execute(self, name, module, args):
+    self.calls.append((name, module, tuple(args)))
+    seed = next((int(a.split('=')[1]) for a in args if a.startswith('--config.seed=')), 0)
+    alpha = next((float(a.split('=')[1]) for a in args if 'freeze.alpha' in a), 1 / 3)
+    frozen = 0 if 'none' in ' '.join(args) or module == reproduce.PLAIN else 2
+    total = 30.0 + seed if frozen == 0 else 10.0 + 10 * alpha + seed
+    transitions = [] if not frozen else [{
+        'epoch': 0, 'step': 10, 'frozen_layers': 2, 'old': 'K=4 R=1 M=4', 'new': 'K=2 R=2 M=2',
+        'reshard_seconds': 0.1, 'compile_seconds': 1.0, 'compiled_ahead': True,
+        'cache_seconds': 0.2, 'total_seconds': 1.5, 'warmup_seconds': 0.05}]
+    timings = {'2': {'2': 0.01, '4': 0.03}} if frozen else {}
+    summary = _summary(total=total, train=total - 1, accuracy=0.9 + 0.01 * seed,
+                       transitions=transitions, timings=timings)
+    rows = [_row(0, 0, 10), _row(1, frozen, 20)]
+    return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': total + 3}
+
+
+def test_parts_on_synthetic_runs(tmp_path):
+  runner = _FakeRunner()
+  out = reproduce.breakdown(runner, str(tmp_path))
+  by = {r['variant']: r for r in out['rows']}
+  assert list(by) == list(reproduce.BREAKDOWN)
+  assert by['baseline']['speedup'] == 1.0 and by['full']['speedup'] == pytest.approx(30 / (40 / 3))
+  assert out['targets']['full_vs_plain_dp'] == pytest.approx(30 / (40 / 3))
+  assert out['targets_met'] == {'full_vs_baseline': False, 'full_vs_plain_dp': True,
+                                'accuracy_points': True}
+  alpha = reproduce.alpha(runner, str(tmp_path))
+  assert [r['alpha'] for r in alpha['rows']] == list(reproduce.ALPHAS)
+  assert [r['speedup'] for r in alpha['rows']] == pytest.approx(
+      [30 / (10 + 10 * a) for a in reproduce.ALPHAS])
+  table = reproduce.table1(runner, str(tmp_path))
+  full = next(r for r in table['rows'] if r['variant'] == 'full')
+  assert full['accuracy']['mean'] == pytest.approx(0.91)
+  assert full['accuracy']['std'] == pytest.approx(np.std([0.9, 0.91, 0.92], ddof=1))
+  assert table['speedup']['values'] == pytest.approx(
+      [(30 + s) / (10 + 10 / 3 + s) for s in reproduce.SEEDS])
+  trans = reproduce.transitions(runner, str(tmp_path))
+  assert trans['rows'][0]['micro_batch_search_seconds'] == pytest.approx(3 * 0.02)
+  # Runs shared by parts ran once: 6 variants, 3 other α, 2 × 2 other seeds.
+  assert len(runner.calls) == len(set(runner.calls)) == 6 + 3 + 4
+  for part in ('breakdown', 'alpha', 'table1', 'transitions'):
+    with open(tmp_path / f'{part}.json') as f:
+      assert json.load(f)['rows']
+    assert os.path.getsize(tmp_path / f'{part}.png') > 1000
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--only', 'nope'], "unknown part(s) ['nope']"),
+    (['--variants', 'baseline,nope'], "unknown variant(s) ['nope']"),
+    (['--bogus=1'], 'unexpected arguments'),
+])
+def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
+  assert reproduce.main(['--workdir', str(tmp_path / 'w'), *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1
+
+
+def test_refuses_a_used_workdir(tmp_path, capsys):
+  (tmp_path / 'old.json').write_text('{}')
+  assert reproduce.main(['--workdir', str(tmp_path)]) == 2
+  assert 'not empty' in capsys.readouterr().err
+
+
+TINY = {'data.name': 'digits', 'model.num_layers': 4, 'model.hidden_size': 16,
+        'model.intermediate_size': 32, 'pipeline.initial_length': 4, 'train.epochs': 2,
+        'train.max_steps_per_epoch': 3, 'freeze.alpha': 0.5, 'pipeline.micro_batches': 4}
+
+
+def test_real_runs_end_to_end(tmp_path):
+  """The baseline and ``full`` for real on a tiny config, in fresh processes
+  sharing a compilation cache; the outputs as documented."""
+  workdir = tmp_path / 'out'
+  flags = [f'--config.{k}={v}' for k, v in TINY.items()]
+  assert reproduce.main(['--workdir', str(workdir), '--only', 'breakdown,transitions',
+                         '--variants', 'full', '--compile-cache', 'shared', *flags]) == 0
+  with open(workdir / 'breakdown.json') as f:
+    out = json.load(f)
+  by = {r['variant']: r for r in out['rows']}
+  assert list(by) == ['baseline', 'full']
+  for r in by.values():
+    assert r['total_seconds'] > 0 and 0 <= r['final_eval_accuracy'] <= 1
+  assert by['baseline']['frozen_layers'] == [0, 0] and by['baseline']['speedup'] == 1.0
+  assert by['full']['frozen_layers'][-1] > 0 and by['full']['flop_limit_speedup'] > 1
+  assert by['baseline']['flop_limit_speedup'] == 1.0
+  assert set(out['targets']) == {'full_vs_baseline', 'accuracy_points'}
+  with open(workdir / 'transitions.json') as f:
+    rows = json.load(f)['rows']
+  assert rows and all(r['total_seconds'] >= r['reshard_seconds'] for r in rows)
+  for part in ('breakdown', 'transitions'):
+    assert os.path.getsize(workdir / f'{part}.png') > 1000
+
+
+def _tiny_config(**more):
+  from experiments import vit_imagenet  # noqa: PLC0415
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, {**TINY, 'checkpoint.enabled': False,
+                               'pipeline.profile_path': '', **more})
+  return config
+
+
+def test_microbatch_sweep(tmp_path):
+  from experiments import reproduce_microbatches  # noqa: PLC0415
+  out = reproduce_microbatches.sweep(_tiny_config(**{'train.epochs': 3}), str(tmp_path))
+  lengths = sorted({r['pipeline_length'] for r in out['rows']}, reverse=True)
+  assert lengths[0] == 4 and len(lengths) > 1  # the α bound compresses the pipeline
+  for k in lengths:
+    rows = [r for r in out['rows'] if r['pipeline_length'] == k]
+    ms = [r['micro_batches'] for r in rows]
+    assert ms == sorted(ms) and all(m % k == 0 and k <= m <= 6 * k for m in ms)
+    assert all(r['samples_per_second'] > 0 for r in rows)
+  assert os.path.getsize(tmp_path / 'microbatches.png') > 1000
+
+
+def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
+  """Same initial weights, batches, optimizer and schedule: plain data
+  parallelism and pipejax's static pipeline (no freezing) give the same
+  per-epoch training losses; only the execution differs."""
+  from experiments import elastic, plain_dp  # noqa: PLC0415
+  config = _tiny_config(**{'freeze.policy': 'none', 'cache.enabled': False})
+  plain = plain_dp.run(config, str(tmp_path / 'dp'))
+  pipe = elastic.run(_tiny_config(**{'freeze.policy': 'none', 'cache.enabled': False}),
+                     str(tmp_path / 'pipe'), 'vit')
+  rows = [[json.loads(line) for line in open(tmp_path / d / 'metrics.jsonl')]
+          for d in ('dp', 'pipe')]
+  np.testing.assert_allclose([r['train_loss'] for r in rows[0]],
+                             [r['train_loss'] for r in rows[1]], rtol=2e-4)
+  assert plain['final_eval_accuracy'] == pytest.approx(pipe['final_eval_accuracy'], abs=0.02)
+  assert rows[0][0]['train_loss'] != rows[0][-1]['train_loss']  # it trained
