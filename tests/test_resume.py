@@ -21,8 +21,9 @@ from pipejax import checkpoints, reporting, resume
 from pipejax.trainer import TrainingInterrupted
 from tests import fixtures
 
-SMALL = {'data.name': 'digits', 'model.num_layers': 6, 'model.hidden_size': 32,
-         'model.intermediate_size': 64, 'model.num_heads': 2}
+# Two stages keep the compiles short; 4 layers freeze 0 -> 1 -> 2 (α = 1/3).
+SMALL = {'data.name': 'digits', 'model.num_layers': 4, 'model.hidden_size': 16,
+         'model.intermediate_size': 32, 'model.num_heads': 2, 'pipeline.initial_length': 2}
 EXACT = ('epoch', 'train_loss', 'train_accuracy', 'eval_accuracy', 'frozen_layers',
          'pipeline_length', 'replicas', 'micro_batches', 'step', 'stage_sizes')
 
@@ -54,13 +55,13 @@ def _stop_at(poll: int):
 def test_interrupted_runs_resume_exactly(tmp_path, capsys):
   """Stopped mid-epoch, then at an epoch end before its freeze decision, then
   finished: every per-epoch row equals the uninterrupted run's bitwise. M is
-  being profiled (3 steps per epoch < the 9 profiling steps) so the saved
-  profiling queue must continue, the cache serves cached and advanced entries
+  being profiled all along (9 steps: 3 candidates x 3 rounds) so the saved
+  profiling queue must continue; the cache serves cached and advanced entries
   in the reference and rebuilt ones after a resume."""
   reference = str(tmp_path / 'reference')
   elastic.run(_config(str(tmp_path / 'p-ref.json')), reference, task='vit')
   expected = _rows(reference)
-  assert [r['frozen_layers'] for r in expected] == [0, 2, 3]
+  assert [r['frozen_layers'] for r in expected] == [0, 1, 2]
 
   workdir = str(tmp_path / 'run')
   config = lambda **o: _config(str(tmp_path / 'p-run.json'), **o)  # noqa: E731
@@ -85,29 +86,21 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
   assert summary['final_eval_accuracy'] == expected[-1]['eval_accuracy']
   assert len(summary['freeze_decisions']) == 2 and len(summary['transitions']) == 2
 
-  # Saved on 8 devices, resumed on 4: the plan is recomputed for F=2 (K ≤ 4);
-  # the maths is the same, only the reduction order differs.
-  summary = elastic.run(config(**{'pipeline.devices': 4, 'pipeline.initial_length': 4}), fewer,
-                        task='vit')
+  # Saved on 8 devices (K=2, R=4), resumed on 4: the plan is recomputed for
+  # F=1 on them (R=2); the maths is the same, only the reduction order differs.
+  elastic.run(config(**{'pipeline.devices': 4}), fewer, task='vit')
   rows = _rows(fewer)
   assert 'resuming on 4 devices (saved on 8)' in capsys.readouterr().out
-  assert [r['frozen_layers'] for r in rows] == [0, 2, 3]
-  assert rows[2]['pipeline_length'] * rows[2]['replicas'] == 4
+  assert [r['frozen_layers'] for r in rows] == [0, 1, 2]
+  assert [r['replicas'] for r in rows] == [4, 4, 2]
   np.testing.assert_allclose([r['train_loss'] for r in rows],
                              [r['train_loss'] for r in expected], rtol=1e-4)
 
   # A checkpoint from another model is refused in one line before training.
-  code = elastic.main(config(**{'model.hidden_size': 16}), workdir, task='vit')
+  code = elastic.main(config(**{'model.hidden_size': 32}), workdir, task='vit')
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1
-  assert "model.hidden_size: 32 in the checkpoint, 16 now" in err[0]
-  # Extending the run (train.epochs) is allowed.
-  code = elastic.main(config(**{'train.epochs': 4}), workdir, task='vit')
-  assert code == 0 and [r['epoch'] for r in _rows(workdir)] == [0, 1, 2, 3]
-  # resume=False starts over.
-  elastic.run(config(**{'resume': False, 'train.epochs': 1}), workdir, task='vit')
-  assert 'starting over' in capsys.readouterr().out
-  assert [r['epoch'] for r in _rows(workdir)] == [0]
+  assert "model.hidden_size: 16 in the checkpoint, 32 now" in err[0]
 
 
 def _tiny_state(value: float) -> dict:
@@ -165,8 +158,7 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   """A run whose second checkpoint hits a full disk stops in one line; the
   same command resumes from the first checkpoint and finishes."""
   config = lambda: _config(str(tmp_path / 'p.json'), **{  # noqa: E731
-      'train.epochs': 2, 'train.max_steps_per_epoch': 2, 'model.num_layers': 4,
-      'pipeline.micro_batches': 8})
+      'train.epochs': 2, 'train.max_steps_per_epoch': 2, 'pipeline.micro_batches': 4})
   real = checkpoints.Checkpoints.save
 
   def save(self, step, state, meta, wait=False):
@@ -186,6 +178,15 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert f'resuming from {os.path.join(os.path.abspath(workdir), "checkpoints", "2")}' in (
       capsys.readouterr().out)
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  # A finished run: the same command trains nothing more; resume=False starts over.
+  assert elastic.main(config(), workdir, task='vit') == 0
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  again = config()
+  with again.unlocked():
+    again.resume, again.train.epochs = False, 1
+  assert elastic.main(again, workdir, task='vit') == 0
+  assert 'starting over' in capsys.readouterr().out
+  assert [r['epoch'] for r in _rows(workdir)] == [0]
 
 
 def test_identity_names_the_keys_that_differ():
@@ -220,3 +221,74 @@ def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
   # A checkpoint's own copy fills in a row the crash kept from the file.
   reporting.keep_rows(str(tmp_path), 3, {'epoch': 2, 'train_loss': 2.0})
   assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
+
+
+def test_first_signal_asks_to_stop_second_aborts():
+  messages = []
+  with resume.StopOnSignal(messages.append) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop() and 'SIGTERM: finishing the current step' in messages[0]
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)  # the handler runs between bytecodes; never reached
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+
+
+def _cli(workdir, profile, log):
+  """The real CLI in a subprocess (this worktree first on the path, the
+  tests' compilation cache)."""
+  args = [f'--config.{k}={v}' for k, v in {**SMALL, 'train.epochs': 3,
+                                            'train.max_steps_per_epoch': 4,
+                                            'pipeline.micro_batches': 4,
+                                            'pipeline.profile_path': profile}.items()]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'PYTHONPATH': root, 'PIPEJAX_COMPILATION_CACHE':
+         jax.config.jax_compilation_cache_dir or ''}
+  return subprocess.Popen([sys.executable, '-m', 'experiments.vit_imagenet',
+                           f'--workdir={workdir}', *args], cwd=root, env=env,
+                          stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _wait_for(proc, prefix: str, timeout: float = 300) -> str:
+  deadline = time.time() + timeout
+  for line in proc.stdout:
+    if line.startswith(prefix):
+      return line
+    assert time.time() < deadline, f'no line starting with {prefix!r}'
+  raise AssertionError(f'the run ended (code {proc.wait()}) before {prefix!r}')
+
+
+def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
+  """The default CLI killed with SIGKILL after epoch 1, rerun and stopped
+  with SIGTERM (saves, exit 75), rerun to the end: the rows equal an
+  uninterrupted run's bitwise; metrics rows survive the SIGKILL."""
+  config = _config(str(tmp_path / 'p-ref.json'), **{'train.max_steps_per_epoch': 4,
+                                                     'pipeline.micro_batches': 4})
+  reference = str(tmp_path / 'reference')
+  elastic.run(config, reference, task='vit')
+  expected = _rows(reference)
+
+  workdir, profile = str(tmp_path / 'run'), str(tmp_path / 'p.json')
+  with open(tmp_path / 'stderr.txt', 'w') as log:
+    proc = _cli(workdir, profile, log)
+    _wait_for(proc, 'epoch 1:')
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
+    assert [r['epoch'] for r in _rows(workdir)] == [0, 1]  # flushed before the kill
+
+    proc = _cli(workdir, profile, log)
+    _wait_for(proc, 'elastic run')  # the signal comes while it resumes or trains
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=300)[0]
+    assert proc.returncode == resume.EXIT_INTERRUPTED, rest
+    assert 'SIGTERM: finishing the current step' in rest
+
+    proc = _cli(workdir, profile, log)
+    rest = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, rest
+  err = (tmp_path / 'stderr.txt').read_text()
+  assert 'interrupted: stopped on request after step' in err and 'Traceback' not in err
+  rows = _rows(workdir)
+  assert len(rows) == len(expected) == 3
+  for got, want in zip(rows, expected):
+    assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}
