@@ -208,7 +208,7 @@ def _start_over(workdir: str) -> None:
   _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
 
 
-def _resume(config, workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
+def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
   """Continues ``trainer`` from the newest readable checkpoint (if any) and
   keeps only the metrics rows of the epochs it had finished."""
   restored = ckpt.restore(
@@ -291,7 +291,7 @@ def run(config, workdir: str | None, task: str,
 
   try:
     if config.resume:
-      _resume(config, workdir, trainer, ckpt, ident)
+      _resume(workdir, trainer, ckpt, ident)
     result = trainer.run(config.train.epochs, _progress, save=save,
                          stop_requested=stop_requested,
                          save_every_steps=config.checkpoint.every_steps)

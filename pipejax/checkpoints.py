@@ -124,7 +124,8 @@ class Checkpoints:
     return None
 
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
-    detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    text = str(error).strip()
+    detail = text.splitlines()[0][:200] if text else type(error).__name__
     aside = self.path(step) + '.corrupt'
     log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside}, trying the '
         f'one before')

@@ -325,9 +325,12 @@ class Trainer:
     partition = self._restored_partition(meta)
     mb = meta['micro_batches']
     same_devices = meta['devices'] == self.num_devices
-    if same_devices:  # M was chosen for this device count: reuse it, never re-profile
-      for k, m in mb['chosen'].items():
-        self.profile.entries[k] = {'micro_batches': m, 'seconds': {}}
+    if same_devices:
+      # M was chosen for this device count: reuse it, never re-profile. Exactly
+      # what the run knew then: a K it profiled only after the checkpoint (and
+      # wrote to the profile file) is profiled again, as it was then.
+      self.profile.entries = {k: {'micro_batches': m, 'seconds': {}}
+                              for k, m in mb['chosen'].items()}
       self._trials = {int(k): {'queue': [tuple(q) for q in t['queue']],
                                'timings': {int(m): v for m, v in t['timings'].items()}}
                       for k, t in mb['trials'].items()}
@@ -336,7 +339,8 @@ class Trainer:
                                   for k, t in mb['timings'].items()}
     saved_m = meta['plan']['micro_batches']
     same_plan = same_devices and partition.pipeline_length == meta['plan']['pipeline_length']
-    self.plan = self._plan(partition, saved_m if same_plan else None)
+    fixed = self.config.pipeline.micro_batches  # a fixed M in the config wins
+    self.plan = self._plan(partition, saved_m if same_plan and not fixed else None)
     self.policy.state = freeze.FreezeState.from_dict(meta['freeze_state'])
     self.transitions = [Transition(**t) for t in meta['transitions']]
     shapes = self._state_shapes(partition)
