@@ -32,7 +32,7 @@ def _config(profile: str, **overrides):
   config = vit_imagenet.get_config()
   with config.unlocked():
     fixtures.override(config, {**SMALL, 'train.epochs': 3, 'train.max_steps_per_epoch': 3,
-                               'pipeline.profile_path': profile, 'cache.policy': 'always',
+                               'pipeline.profile_path': profile, 'cache.enabled': False,
                                **overrides})
   return config
 
@@ -56,8 +56,9 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
   """Stopped mid-epoch, then at an epoch end before its freeze decision, then
   finished: every per-epoch row equals the uninterrupted run's bitwise. M is
   being profiled all along (9 steps: 3 candidates x 3 rounds) so the saved
-  profiling queue must continue; the cache serves cached and advanced entries
-  in the reference and rebuilt ones after a resume."""
+  profiling queue must continue. (No AutoCache here: its entries advanced
+  through newly frozen blocks may differ from a fresh forward in the last
+  bit, see the next test.)"""
   reference = str(tmp_path / 'reference')
   elastic.run(_config(str(tmp_path / 'p-ref.json')), reference, task='vit')
   expected = _rows(reference)
@@ -241,6 +242,7 @@ def _cli(workdir, profile, log):
   args = [f'--config.{k}={v}' for k, v in {**SMALL, 'train.epochs': 3,
                                             'train.max_steps_per_epoch': 4,
                                             'pipeline.micro_batches': 4,
+                                            'cache.policy': 'always',
                                             'pipeline.profile_path': profile}.items()]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, 'PYTHONPATH': root, 'PIPEJAX_COMPILATION_CACHE':
@@ -260,11 +262,15 @@ def _wait_for(proc, prefix: str, timeout: float = 300) -> str:
 
 
 def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
-  """The default CLI killed with SIGKILL after epoch 1, rerun and stopped
-  with SIGTERM (saves, exit 75), rerun to the end: the rows equal an
-  uninterrupted run's bitwise; metrics rows survive the SIGKILL."""
+  """The CLI killed with SIGKILL after epoch 1, rerun and stopped with
+  SIGTERM (saves, exit 75), rerun to the end: the rows equal an uninterrupted
+  run's; metrics rows survive the SIGKILL. AutoCache is on: the reference
+  serves entries advanced through newly frozen blocks, the resumed run
+  rebuilt ones, equal up to the last bit (hence rtol 1e-6 on the losses)."""
   config = _config(str(tmp_path / 'p-ref.json'), **{'train.max_steps_per_epoch': 4,
-                                                     'pipeline.micro_batches': 4})
+                                                     'pipeline.micro_batches': 4,
+                                                     'cache.enabled': True,
+                                                     'cache.policy': 'always'})
   reference = str(tmp_path / 'reference')
   elastic.run(config, reference, task='vit')
   expected = _rows(reference)
@@ -291,5 +297,9 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
   assert 'interrupted: stopped on request after step' in err and 'Traceback' not in err
   rows = _rows(workdir)
   assert len(rows) == len(expected) == 3
+  close = ('train_loss', 'train_accuracy', 'eval_accuracy')
   for got, want in zip(rows, expected):
-    assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}
+    assert ({k: got[k] for k in EXACT if k not in close} ==
+            {k: want[k] for k in EXACT if k not in close})
+    np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=1e-6)
+  assert all(r['cache'] for r in rows[1:])
