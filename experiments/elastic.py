@@ -12,17 +12,18 @@ import datetime
 import os
 import sys
 import time
+from typing import Callable
 
 import jax
 from tqdm import tqdm
 
 import models
 from experiments import datasets, text_data, text_eval
-from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, schedule
+from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, resume, schedule
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader
 from pipejax.partition import PartitionError
-from pipejax.trainer import PROFILE_ROUNDS, LossNotFinite, Trainer
+from pipejax.trainer import PROFILE_ROUNDS, LossNotFinite, Trainer, TrainingInterrupted
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,8 @@ def check_config(config, num_devices_available: int) -> None:
     ok = [k for k in range(1, n + 1) if n % k == 0]
     raise ConfigError(f'pipeline.initial_length={c.pipeline.initial_length} does not divide '
                       f'the {n} devices; use one of {ok}')
+  if c.checkpoint.every_steps < 0:
+    raise ConfigError(f'checkpoint.every_steps must be >= 0, got {c.checkpoint.every_steps}')
   if c.freeze.timestep_steps < 0:
     raise ConfigError(f'freeze.timestep_steps must be >= 0, got {c.freeze.timestep_steps}')
   if c.freeze.timestep_steps and c.train.batch_mode != 'constant':
@@ -190,8 +193,52 @@ def _progress(epoch: int, total: int):
     bar.close()
 
 
-def run(config, workdir: str | None, task: str) -> dict:
-  """Runs one elastic (or baseline) training; returns the summary."""
+def _start_over(workdir: str) -> None:
+  """Removes a previous run's outputs from ``workdir`` (``--config.resume=False``)."""
+  removed = [name for name in ('metrics.jsonl', 'summary.json', 'summary.png')
+             if os.path.exists(os.path.join(workdir, name))]
+  if os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    removed.append('checkpoints/')
+  if not removed or jax.process_index() != 0:
+    return
+  for name in removed[:3]:
+    if name != 'checkpoints/':
+      os.remove(os.path.join(workdir, name))
+  checkpoints.clear(workdir)
+  _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
+
+
+def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
+  """Continues ``trainer`` from the newest readable checkpoint (if any) and
+  keeps only the metrics rows of the epochs it had finished."""
+  restored = ckpt.restore(
+      lambda meta: trainer.abstract_portable(), _log) if ckpt is not None else None
+  if restored is None:
+    dropped = reporting.keep_rows(workdir, 0)
+    if dropped:
+      _log(f'no checkpoint in {workdir}: starting from the beginning (dropped {dropped} '
+           f'metrics rows)')
+    return
+  state, meta, path = restored
+  resume.check_identity(meta, ident, path)  # a fallback checkpoint is checked too
+  trainer.restore(state, meta)
+  finished = meta['epoch'] + int(meta['epoch_done'])
+  dropped = reporting.keep_rows(workdir, finished, meta.get('row'))
+  _log(f'resuming from {path}' + (f' (dropped {dropped} metrics rows written after it)'
+                                  if dropped else ''))
+
+
+def run(config, workdir: str | None, task: str,
+        stop_requested: Callable[[], bool] | None = None) -> dict:
+  """Runs one elastic (or baseline) training; returns the summary.
+
+  With ``config.resume`` (the default) a workdir holding checkpoints of a
+  run continues from the newest readable one (plan recomputed if the device
+  count changed); ``config.resume=False`` starts over, removing the old
+  outputs. ``stop_requested`` is polled after every step (see
+  :class:`pipejax.resume.StopOnSignal`): when True the run saves and raises
+  :class:`pipejax.trainer.TrainingInterrupted`.
+  """
   start = time.perf_counter()
   devices_available = len(jax.devices())
   check_config(config, devices_available)
@@ -205,8 +252,18 @@ def run(config, workdir: str | None, task: str) -> dict:
   workdir = workdir or os.path.join(
       'runs', f'{task}-{datetime.datetime.now().strftime("%Y%m%d-%H%M%S")}')
   os.makedirs(workdir, exist_ok=True)
-  if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
-    raise ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another --workdir')
+  ident = resume.identity(config, model.hf_config.to_dict())
+  if not config.resume:
+    _start_over(workdir)
+  elif os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
+    raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '
+                      f'it; use --config.resume=False to start over, or another --workdir')
+  ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
+      config.checkpoint.enabled) else None
+  if ckpt is not None and config.resume:
+    latest = ckpt.latest_meta()
+    if latest is not None:  # refuse before building anything
+      resume.check_identity(latest[0], ident, latest[1])
   with config.unlocked():
     config.pipeline.profile_path = os.path.expanduser(config.pipeline.profile_path)
   largest = config.train.batch_size * (len(devices) if config.train.batch_mode == 'per_pipeline'
@@ -224,19 +281,20 @@ def run(config, workdir: str | None, task: str) -> dict:
        f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
   trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
                     devices=devices, log=_log, evaluator=data.evaluator)
-  ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
-      config.checkpoint.enabled) else None
+  meta_base = {'identity': ident, 'fingerprint': resume.fingerprint(ident), 'model': model.name}
 
-  def on_epoch(epoch, row, portable):
-    if ckpt is not None:
-      ckpt.save(row['step'], portable, {
-          'epoch': epoch, 'plan': trainer.plan.describe(),
-          'stage_sizes': list(trainer.plan.partition.stage_sizes),
-          'frozen_layers': trainer.plan.partition.num_frozen_layers,
-          'freeze_state': trainer.policy.state.to_dict(), 'model': model.name})
+  def save(portable, meta, wait):
+    if ckpt is None:
+      return None
+    ckpt.save(meta['step'], portable, {**meta_base, **meta}, wait=wait)
+    return ckpt.path(meta['step'])
 
   try:
-    result = trainer.run(config.train.epochs, _progress, on_epoch)
+    if config.resume:
+      _resume(workdir, trainer, ckpt, ident)
+    result = trainer.run(config.train.epochs, _progress, save=save,
+                         stop_requested=stop_requested,
+                         save_every_steps=config.checkpoint.every_steps)
   except LossNotFinite as e:
     last = ckpt.latest() if ckpt is not None else None
     raise TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
@@ -283,19 +341,27 @@ def _describe(model) -> str:
 
 KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.DatasetMissing,
                 freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
-                schedule.ScheduleError, text_data.TextConfigError)
+                schedule.ScheduleError, text_data.TextConfigError, checkpoints.CheckpointError,
+                resume.CheckpointMismatch)
 
 
 def main(config, workdir: str | None, task: str) -> int:
-  """CLI wrapper: known bad input → one line on stderr and exit code 2."""
-  try:
-    run(config, workdir, task)
-  except KNOWN_ERRORS as e:
-    print(f'error: {e}', file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print('interrupted', file=sys.stderr)
-    return 130
+  """CLI wrapper: known bad input → one line on stderr and exit code 2; a
+  first SIGTERM/SIGINT → save after the current step and exit code 75
+  (:data:`pipejax.resume.EXIT_INTERRUPTED`; the same command resumes); a
+  second one → exit code 130 at once."""
+  with resume.StopOnSignal(_log) as stop:
+    try:
+      run(config, workdir, task, stop_requested=stop)
+    except TrainingInterrupted as e:
+      print(f'interrupted: {e}; run the same command to resume', file=sys.stderr)
+      return resume.EXIT_INTERRUPTED
+    except KNOWN_ERRORS as e:
+      print(f'error: {e}', file=sys.stderr)
+      return 2
+    except KeyboardInterrupt:
+      print('aborted (nothing saved after the last checkpoint)', file=sys.stderr)
+      return resume.EXIT_ABORTED
   return 0
 
 

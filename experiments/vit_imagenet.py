@@ -7,7 +7,10 @@ on scikit-learn's digits, 8 fake CPU devices, starting at pipeline length 8.
 Flags: ``--config`` (this file by default; overrides such as
 ``--config.freeze.alpha=0.5``) and ``--workdir`` (default: a fresh folder
 under ``./runs/``). ``--config.freeze.policy=none`` is the baseline: no
-freezing, the static pipeline of the starting length.
+freezing, the static pipeline of the starting length. Run again with the same
+``--workdir`` to resume from its newest checkpoint (``--config.resume=False``
+starts over); SIGTERM/SIGINT saves after the current step and exits with code
+75, a second signal aborts (130).
 """
 from __future__ import annotations
 
@@ -79,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.enabled = True
   c.checkpoint.keep = 2
+  c.checkpoint.every_steps = 0  # > 0: also save every N steps inside an epoch
+  # Continue from workdir's newest checkpoint; False starts over (removes its outputs).
+  c.resume = True
   c.lock()
   return c
 

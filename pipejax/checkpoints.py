@@ -1,14 +1,30 @@
-"""Orbax checkpoints of the trainer state and its plan, under ``workdir/checkpoints``."""
+"""Orbax checkpoints of the trainer state and its plan, under ``workdir/checkpoints``.
+
+A checkpoint is a layout-free state tree (see
+:meth:`pipejax.trainer.Trainer.portable_state`) and a JSON ``meta`` (plan,
+freeze policy and its history, position in the data, micro-batch choices,
+cache metadata; see :meth:`pipejax.trainer.Trainer.checkpoint_meta`). Orbax
+writes each one into a temporary directory and renames it when complete, so a
+failure while writing (a full disk, a killed process) never touches the
+previous checkpoint. Saves are collective: in a multi-process run every
+process calls :meth:`Checkpoints.save` and :meth:`Checkpoints.restore`.
+"""
 from __future__ import annotations
 
 import os
-from typing import Any
+import shutil
+from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
 
+class CheckpointError(RuntimeError):
+  """A checkpoint that could not be written or read (one-line message)."""
+
+
 class Checkpoints:
-  """Saves the trainer state (asynchronously) with JSON metadata each epoch.
+  """Saves the trainer state (asynchronously) with JSON metadata.
 
   Args:
     workdir: the run's directory; checkpoints go to ``workdir/checkpoints``.
@@ -18,24 +34,122 @@ class Checkpoints:
   def __init__(self, workdir: str, keep: int = 2):
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           cleanup_tmp_directories=True,
                                            enable_async_checkpointing=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Starts saving ``state`` (a layout-free tree, see
-    :meth:`pipejax.trainer.Trainer.portable_state`) and ``meta`` as checkpoint
-    ``step``."""
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)))
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def save(self, step: int, state: Any, meta: dict[str, Any], wait: bool = False) -> None:
+    """Starts saving ``state`` (a layout-free tree) and ``meta`` as
+    checkpoint ``step`` (``wait``: return once it is on disk).
+
+    Raises:
+      CheckpointError: this save, or the previous asynchronous one, failed
+        (e.g. ``[Errno 28] No space left on device``); the newest finished
+        checkpoint is untouched and named in the message.
+    """
+    if step in self.manager.all_steps():
+      return  # already saved (an epoch end right after a step-count save)
+    try:
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)))
+      if wait:
+        self.manager.wait_until_finished()
+    except (OSError, ValueError, RuntimeError) as e:
+      raise self._write_error(step, e) from e
+
+  def _write_error(self, step: int, error: Exception) -> CheckpointError:
+    steps = [s for s in self.manager.all_steps() if s != step]
+    previous = self.path(max(steps)) if steps else 'none'
+    return CheckpointError(f'writing the checkpoint of step {step} failed ({error}); the '
+                           f'previous checkpoint is intact: {previous}')
 
   def latest(self) -> str | None:
     """The directory of the newest finished checkpoint, or None."""
-    self.manager.wait_until_finished()
+    try:
+      self.manager.wait_until_finished()
+    except (OSError, ValueError, RuntimeError):
+      pass  # a failed pending save: the newest finished one is still the answer
     step = self.manager.latest_step()
-    return None if step is None else os.path.join(self.directory, str(step))
+    return None if step is None else self.path(step)
+
+  def _meta(self, step: int) -> dict:
+    return dict(self.manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
+
+  def latest_meta(self) -> tuple[dict, str] | None:
+    """``(meta, directory)`` of the newest checkpoint whose meta reads, or None."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        return self._meta(step), self.path(step)
+      except Exception:  # noqa: BLE001 - restore() says what is wrong with it
+        continue
+    return None
+
+  def restore(self, abstract_state: Callable[[dict], Any], log: Callable[[str], None] = print
+              ) -> tuple[Any, dict, str] | None:
+    """The newest readable checkpoint: ``(state, meta, directory)``, or None
+    when there is none. An unreadable checkpoint (truncated, corrupt) is
+    renamed ``<step>.corrupt`` with a one-line message, and the one before it
+    is tried.
+
+    Args:
+      abstract_state: ``meta -> target`` (the state's ``ShapeDtypeStruct``
+        tree with shardings, which may depend on the saved plan).
+      log: one-line messages.
+
+    Raises:
+      CheckpointError: checkpoints exist but none is readable.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        meta = self._meta(step)
+      except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
+        self._set_aside(step, e, log)
+        continue
+      target = abstract_state(meta)  # may raise a ConfigError-like refusal: not corrupt
+      try:
+        state = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
+      except Exception as e:  # noqa: BLE001
+        self._set_aside(step, e, log)
+        continue
+      return state, meta, self.path(step)
+    if steps:
+      raise CheckpointError(f'no readable checkpoint in {self.directory} (tried steps {steps}); '
+                            f'start over with --config.resume=False')
+    return None
+
+  def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
+    text = str(error).strip()
+    detail = text.splitlines()[0][:200] if text else type(error).__name__
+    aside = self.path(step) + '.corrupt'
+    log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside}, trying the '
+        f'one before')
+    if jax.process_index() == 0:
+      shutil.rmtree(aside, ignore_errors=True)
+      os.replace(self.path(step), aside)
+    self.manager.reload()
 
   def close(self) -> None:
-    """Waits for pending saves."""
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for pending saves.
 
+    Raises:
+      CheckpointError: the last asynchronous save failed.
+    """
+    try:
+      self.manager.wait_until_finished()
+    except (OSError, ValueError, RuntimeError) as e:
+      step = self.manager.latest_step()
+      raise CheckpointError(f'writing a checkpoint failed ({e}); the newest intact one is '
+                            f'{self.path(step) if step is not None else "none"}') from e
+    finally:
+      self.manager.close()
+
+
+def clear(workdir: str) -> None:
+  """Removes a run's checkpoints (starting over)."""
+  shutil.rmtree(os.path.join(os.path.abspath(workdir), 'checkpoints'), ignore_errors=True)

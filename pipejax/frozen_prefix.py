@@ -20,6 +20,7 @@ logged with its inputs. ``policy='always'`` caches from the first frozen layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -247,6 +248,26 @@ class FrozenPrefix:
     if self.use_cache and self.cache.disk_bytes:
       self.cache.prefetch(batches)
 
+  def checkpoint_meta(self) -> dict:
+    """The cache's metadata for a checkpoint: whether it serves the current
+    depth, its decisions so far and its counters (not its entries)."""
+    return {'use_cache': self.use_cache, 'batch_size': self._batch_size,
+            'depth': None if self.cache is None else self.cache.depth,
+            'decisions': [dataclasses.asdict(d) for d in self.decisions],
+            'stats': self.stats()}
+
+  def restore(self, meta: dict, batch_size: int) -> None:
+    """Takes the decisions of :meth:`checkpoint_meta` (no re-profiling) and
+    starts the cache empty at the saved depth: entries are only a speed-up,
+    and a cached activation equals the computed one, so they are rebuilt as
+    batches come."""
+    self.decisions = [autocache_policy.CachingDecision(**d) for d in meta['decisions']]
+    self._batch_size = batch_size
+    self.use_cache = bool(meta['use_cache']) and self.cache is not None
+    if self.cache is not None:
+      self.cache.advance(max(meta['depth'] or 0, self.cache.depth))
+      self.cache.clear()
+
   def stats(self) -> dict:
     """Cache counters for the metrics row (empty without a cache)."""
     if self.cache is None:
@@ -270,7 +291,8 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
   # Everything that decides the frozen layers' output: the whole config
   # (training decides the frozen weights), the model and the data.
   identity = hashlib.sha256(json.dumps(
-      {'config': config.to_dict(), 'model': model.hf_config.to_dict(),
+      {'config': {k: v for k, v in config.to_dict().items() if k != 'resume'},
+       'model': model.hf_config.to_dict(),
        'samples': len(source), 'entry': list(entry.shape[1:])},
       sort_keys=True, default=str).encode()).hexdigest()[:16]
   return ActivationCache(

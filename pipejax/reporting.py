@@ -6,20 +6,63 @@ import json
 import os
 from typing import Any
 
+import jax
+
 
 class MetricsLog:
-  """Appends one JSON row per epoch to ``metrics.jsonl`` and flushes it."""
+  """Appends one JSON row per epoch to ``metrics.jsonl``, flushed and
+  fsync'd, so a crash loses at most the epoch in progress. Rows already in
+  the file (a resumed run, see :func:`keep_rows`) are loaded into ``rows``.
+  Only process 0 writes (multi-process runs)."""
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, 'metrics.jsonl')
-    self.rows: list[dict[str, Any]] = []
+    self.rows: list[dict[str, Any]] = read_rows(workdir)
 
   def append(self, row: dict[str, Any]) -> None:
     self.rows.append(row)
+    if jax.process_index() != 0:
+      return
     with open(self.path, 'a') as f:
       f.write(json.dumps(row) + '\n')
       f.flush()
       os.fsync(f.fileno())
+
+
+def read_rows(workdir: str) -> list[dict[str, Any]]:
+  """The rows of ``workdir/metrics.jsonl`` (none if it does not exist; a
+  torn last line, from a crash while writing, is ignored)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        break
+  return rows
+
+
+def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None) -> int:
+  """Rewrites ``metrics.jsonl`` (atomically) with the rows of epochs
+  ``< epochs`` only: a run resumed from a checkpoint drops the rows written
+  after it. ``last_row`` (the checkpoint's copy of epoch ``epochs - 1``'s
+  row) fills that row in if the crash came before it was written. Returns
+  the rows dropped."""
+  rows = read_rows(workdir)
+  kept = [r for r in rows if r['epoch'] < epochs]
+  if last_row is not None and not any(r['epoch'] == last_row['epoch'] for r in kept):
+    kept.append(last_row)
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, 'metrics.jsonl')
+    with open(path + '.tmp', 'w') as f:
+      f.writelines(json.dumps(r) + '\n' for r in kept)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(path + '.tmp', path)
+  return len(rows) - len([r for r in rows if r['epoch'] < epochs])
 
 
 def write_summary(workdir: str, summary: dict[str, Any]) -> str:

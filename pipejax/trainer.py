@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import math
 import time
 from typing import Any, Callable
@@ -73,6 +74,16 @@ class LossNotFinite(FloatingPointError):
   def __init__(self, loss_sum: float, epoch: int, step: int):
     self.loss_sum, self.epoch, self.step = loss_sum, epoch, step
     super().__init__(f'the training loss is {loss_sum} at step {step} (epoch {epoch})')
+
+
+class TrainingInterrupted(Exception):
+  """Training stopped on request (SIGTERM/SIGINT) after a step, with the
+  state saved in ``checkpoint`` (None when checkpoints are disabled)."""
+
+  def __init__(self, epoch: int, step: int, checkpoint: str | None):
+    self.epoch, self.step, self.checkpoint = epoch, step, checkpoint
+    super().__init__(f'stopped on request after step {step} (epoch {epoch}); '
+                     f'checkpoint: {checkpoint or "none (checkpoints disabled)"}')
 
 
 def _without_frozen(state: dict) -> dict:
@@ -175,6 +186,10 @@ class Trainer:
     self._param_shapes = jax.eval_shape(lambda: params)
     self.plan = self._plan(partition, micro_batches=None, initial=True)
     self.state = self._init_state(params, self.plan)
+    # Where run() starts: (epoch, batches already done in it, whether the
+    # freeze decision at the end of the epoch before is still to be made).
+    self._start = (0, 0, False)
+    self._wall_offset, self._run_start = 0.0, time.perf_counter()
 
   # -- plans -------------------------------------------------------------------
   def _plan(self, partition: part.Partition, micro_batches: int | None,
@@ -232,9 +247,11 @@ class Trainer:
 
   def portable_state(self) -> dict:
     """The state in the canonical layout, replicated on every device:
-    ``{'params', 'opt', 'step', 'rng'}`` with the optimizer moments as
-    canonical trees (zero for frozen blocks). Its structure is the same for
-    every plan, so checkpoints are layout-free and cheap to write."""
+    ``{'params', 'opt', 'step', 'rng', 'layer_norms', 'sums'}`` with the
+    optimizer moments as canonical trees (zero for frozen blocks), the freeze
+    policy's gradient-norm accumulators ``[L]`` and the running epoch sums
+    ``[3]`` (loss, correct, count). Its structure is the same for every plan,
+    so checkpoints are layout-free and cheap to write."""
     portable = self._portable_fn(self.plan)(self.state)
     if self.plan.num_devices < self.num_devices:  # no AutoDP: spread to every device
       portable = jax.device_put(portable, NamedSharding(self._flat_mesh, P()))
@@ -249,7 +266,8 @@ class Trainer:
         return {'params': part.from_stage_params(s['active'], partition, s['frozen']),
                 'opt': autodp.map_param_trees(
                     lambda t: part.from_stage_params(t, partition, zeros), s['opt']),
-                'step': s['step'], 'rng': s['rng']}
+                'step': s['step'], 'rng': s['rng'], 'layer_norms': s['layer_norms'],
+                'sums': s['sums']}
 
       mesh = self._flat_mesh if plan.num_devices == self.num_devices else self.mesh(plan)
       self._portable[key] = jax.jit(portable, out_shardings=NamedSharding(mesh, P()))
@@ -258,6 +276,115 @@ class Trainer:
   def canonical_params(self) -> Params:
     """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
     return self.portable_state()['params']
+
+  # -- checkpoints -----------------------------------------------------------------
+  def abstract_portable(self) -> dict:
+    """:meth:`portable_state`'s shapes, replicated over this run's devices
+    (the target a checkpoint is restored into, whatever plan wrote it)."""
+    shapes = jax.eval_shape(self._portable_fn(self.plan),
+                            self._state_shapes(self.plan.partition))
+    replicated = NamedSharding(self._flat_mesh, P())
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                        shapes)
+
+  def checkpoint_meta(self, epoch: int, step_in_epoch: int, epoch_done: bool) -> dict:
+    """What a checkpoint holds besides the state tree (JSON): the position
+    (``epoch``, batches done in it, global ``step``), the plan, the freeze
+    policy's state and history, the micro-batch choices and any profiling in
+    progress, the cache's decisions, the transitions so far."""
+    plan = self.plan
+    meta = {
+        'epoch': epoch, 'step_in_epoch': step_in_epoch,
+        'epoch_done': epoch_done,
+        'step': int(self.state['step']), 'devices': self.num_devices,
+        'plan': {'frozen_layers': plan.partition.num_frozen_layers,
+                 'stage_sizes': list(plan.partition.stage_sizes),
+                 'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
+                 'micro_batches': plan.micro_batches, 'schedule': plan.schedule,
+                 'describe': plan.describe()},
+        'freeze_state': self.policy.state.to_dict(),
+        'micro_batches': {
+            'chosen': {str(k): self.profile.get(k) for k in sorted(
+                {int(k) for k in self.profile.entries} | self._announced)
+                if self.profile.get(k) is not None},
+            'trials': {str(k): {'queue': [list(q) for q in t['queue']],
+                                'timings': {str(m): v for m, v in t['timings'].items()}}
+                       for k, t in self._trials.items()},
+            'announced': sorted(self._announced),
+            'timings': {str(k): {str(m): v for m, v in t.items()}
+                        for k, t in self.micro_batch_timings.items()}},
+        'cache': self.prefix.checkpoint_meta(),
+        'transitions': [dataclasses.asdict(t) for t in self.transitions],
+        'wall_seconds': self._wall_offset + time.perf_counter() - self._run_start,
+    }
+    return json.loads(json.dumps(meta, default=float))  # numpy scalars -> JSON numbers
+
+  def _restored_partition(self, meta: dict) -> part.Partition:
+    """The saved partition, or, on another device count (or a saved K that
+    no longer divides it), AutoPipe's partition for the saved frozen layers
+    with the longest pipeline that fits the devices and the config."""
+    saved = meta['plan']
+    num_frozen = saved['frozen_layers']
+    k = saved['pipeline_length']
+    if meta['devices'] == self.num_devices and self.num_devices % k == 0:
+      return part.Partition(self.model.num_layers, num_frozen, tuple(saved['stage_sizes']))
+    limit = min(k, self.initial_length) if num_frozen else self.initial_length
+    k = max(d for d in range(1, limit + 1) if self.num_devices % d == 0)
+    partition = autopipe.partition_for(self.costs, num_frozen, k,
+                                       self.config.freeze.lambda_frozen).partition
+    self.log(f'  resuming on {self.num_devices} devices (saved on {meta["devices"]}): '
+             f'K={saved["pipeline_length"]} -> K={k}')
+    return partition
+
+  def restore(self, portable: dict, meta: dict) -> None:
+    """Continues from a checkpoint: ``portable`` restored into
+    :meth:`abstract_portable`, ``meta`` from :meth:`checkpoint_meta`. Rebuilds
+    the saved plan (recomputed on another device count), lays the state out
+    for it, restores the freeze policy, the micro-batch choices (reused, not
+    re-profiled), the cache's decisions (its entries are rebuilt: they are only
+    a speed-up) and the position :meth:`run` continues from."""
+    partition = self._restored_partition(meta)
+    mb = meta['micro_batches']
+    same_devices = meta['devices'] == self.num_devices
+    if same_devices:
+      # M was chosen for this device count: reuse it, never re-profile. Exactly
+      # what the run knew then: a K it profiled only after the checkpoint (and
+      # wrote to the profile file) is profiled again, as it was then.
+      self.profile.entries = {k: {'micro_batches': m, 'seconds': {}}
+                              for k, m in mb['chosen'].items()}
+      self._trials = {int(k): {'queue': [tuple(q) for q in t['queue']],
+                               'timings': {int(m): v for m, v in t['timings'].items()}}
+                      for k, t in mb['trials'].items()}
+      self._announced = set(mb['announced'])
+      self.micro_batch_timings = {int(k): {int(m): v for m, v in t.items()}
+                                  for k, t in mb['timings'].items()}
+    saved_m = meta['plan']['micro_batches']
+    same_plan = same_devices and partition.pipeline_length == meta['plan']['pipeline_length']
+    fixed = self.config.pipeline.micro_batches  # a fixed M in the config wins
+    self.plan = self._plan(partition, saved_m if same_plan and not fixed else None)
+    self.policy.state = freeze.FreezeState.from_dict(meta['freeze_state'])
+    self.transitions = [Transition(**t) for t in meta['transitions']]
+    shapes = self._state_shapes(partition)
+    shardings = autodp.state_shardings(shapes, self.mesh(self.plan))
+
+    def from_portable(p):
+      active = part.to_stage_params(p['params'], partition)
+      template = jax.eval_shape(self.optimizer.init, active)
+      return {'step': p['step'], 'rng': p['rng'], 'layer_norms': p['layer_norms'],
+              'sums': p['sums'], 'active': active,
+              'frozen': part.frozen_prefix(p['params'], partition.num_frozen_layers),
+              'opt': autodp.map_param_trees(lambda t: part.to_stage_params(t, partition),
+                                            p['opt'], template)}
+
+    if self.plan.num_devices < self.num_devices:  # no AutoDP: the plan's devices only
+      portable = jax.device_put(portable, NamedSharding(self.mesh(self.plan), P()))
+    self.state = jax.jit(from_portable, out_shardings=shardings)(portable)
+    self.prefix.restore(meta['cache'], self.batch_size(self.plan))
+    self._start = (meta['epoch'] + int(meta['epoch_done']),
+                   0 if meta['epoch_done'] else meta['step_in_epoch'], meta['epoch_done'])
+    self._wall_offset = meta['wall_seconds']
+    self.log(f'resumed at step {meta["step"]} (epoch {meta["epoch"]}, '
+             f'{meta["step_in_epoch"]}/{self.steps_per_epoch} batches): {self.plan.describe()}')
 
   # -- compiled steps ------------------------------------------------------------
   def _train_step(self, plan: pipeline.Plan):
@@ -355,19 +482,25 @@ class Trainer:
     self.log(f'  micro-batches for K={k}: M={chosen} (profiled '
              f'{", ".join(f"{m}: {t * 1e3:.0f} ms" for m, t in timings.items())})')
 
-  def train_epoch(self, epoch: int, progress) -> dict:
+  def train_epoch(self, epoch: int, progress, start_step: int = 0,
+                  after_step: Callable[[int, int], None] | None = None) -> dict:
     """Runs one epoch (with freeze timesteps inside it when
-    ``freeze.timestep_steps`` is set)."""
+    ``freeze.timestep_steps`` is set) from batch ``start_step`` (a resumed
+    epoch: the running sums are in the state). ``after_step(epoch, steps)``
+    runs after every step and any transition it ended (interrupts and
+    step-count checkpoints)."""
     loader = dataclasses.replace(self.train_loader, batch_size=self.batch_size(self.plan))
     every = self.config.freeze.timestep_steps
     start = time.perf_counter()
-    steps = 0
+    steps = start_step
     transition_seconds = 0.0
     first_step_seconds = None
     last_step = self.config.train.epochs * self.steps_per_epoch
-    first_step = int(self.state['step']) if every else 0  # one host sync per epoch
-    self.prefix.prefetch(loader.batch_ids(epoch))
-    for sample_ids, batch in loader.epoch(epoch):
+    # one host sync per epoch
+    first_step = int(self.state['step']) - start_step if every else 0
+    self.prefix.prefetch(loader.batch_ids(epoch, start_step))
+    progress.update(start_step)
+    for sample_ids, batch in loader.epoch(epoch, start_step):
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
       feed = self._feed(sample_ids, batch, self.plan)
@@ -396,6 +529,8 @@ class Trainer:
       if every and step % every == 0 and step < last_step:
         transition_seconds += self.maybe_transition(epoch, batch)
         self.prepare_next(batch)
+      if after_step is not None and steps < loader.steps_per_epoch():
+        after_step(epoch, steps)
     sums = np.asarray(self.state['sums'])
     self._check_finite(float(sums[0]), epoch, int(self.state['step']))
     seconds = time.perf_counter() - start
@@ -406,9 +541,9 @@ class Trainer:
     return {'train_loss': float(sums[0] / max(steps, 1)),
             'train_accuracy': (None if np.isnan(sums[1])  # a regression head
                                else float(sums[1] / max(sums[2], 1))),
-            'epoch_seconds': seconds - transition_seconds, 'steps': steps,
+            'epoch_seconds': seconds - transition_seconds, 'steps': steps - start_step,
             'transition_seconds': transition_seconds,
-            'samples_per_second': steps * loader.batch_size / seconds}
+            'samples_per_second': (steps - start_step) * loader.batch_size / seconds}
 
   @staticmethod
   def _check_finite(loss_sum: float, epoch: int, step: int) -> None:
@@ -550,34 +685,63 @@ class Trainer:
     return time.perf_counter() - start
 
   def run(self, epochs: int, progress_factory,
-          on_epoch: Callable[[int, dict, dict], None] | None = None) -> dict:
-    """Trains ``epochs`` epochs; returns the per-epoch rows. ``on_epoch(epoch,
-    row, portable_state)`` runs after each epoch (checkpointing)."""
+          on_epoch: Callable[[int, dict, dict], None] | None = None, *,
+          save: Callable[[dict, dict, bool], str | None] | None = None,
+          stop_requested: Callable[[], bool] | None = None, save_every_steps: int = 0) -> dict:
+    """Trains up to epoch ``epochs`` (from the start, or from where
+    :meth:`restore` left off); returns the per-epoch rows (with those of
+    earlier runs already in ``metrics.jsonl``).
+
+    Args:
+      epochs: the epoch count of the whole run.
+      progress_factory: ``(epoch, steps) -> context manager`` giving a tqdm-like bar.
+      on_epoch: ``(epoch, row, portable_state)`` after each epoch.
+      save: ``(portable_state, meta, wait) -> checkpoint path`` (see
+        :meth:`checkpoint_meta`; ``meta['row']`` is the epoch's row at an epoch
+        end); called at each epoch end, every ``save_every_steps`` batches
+        and when a stop is requested.
+      stop_requested: polled after every step and epoch: True saves (waiting
+        for the write) and raises :class:`TrainingInterrupted`.
+    """
     metrics_log = reporting.MetricsLog(self.workdir)
-    run_start = time.perf_counter()
+    self._run_start = time.perf_counter()
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
       self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     by_steps = bool(self.config.freeze.timestep_steps)
     if by_steps:
       self.prepare_next(sample_batch)
+
+    def after_step(epoch: int, steps: int) -> None:
+      stop = stop_requested is not None and stop_requested()
+      path = None
+      if save is not None and (stop or (save_every_steps and steps % save_every_steps == 0)):
+        path = save(self.portable_state(), self.checkpoint_meta(epoch, steps, False), stop)
+      if stop:
+        raise TrainingInterrupted(epoch, int(self.state['step']), path)
+
     try:
-      self._run_epochs(epochs, progress_factory, on_epoch, metrics_log, run_start, by_steps,
-                       sample_batch)
+      self._run_epochs(epochs, progress_factory, on_epoch, metrics_log, by_steps, sample_batch,
+                       save, stop_requested, after_step)
     finally:
       self._pool.shutdown(wait=False, cancel_futures=True)
       if self.prefix.cache is not None:
         self.prefix.cache.close()
-    return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - run_start}
+    return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - self._run_start}
 
-  def _run_epochs(self, epochs, progress_factory, on_epoch, metrics_log, run_start, by_steps,
-                  sample_batch) -> None:
+  def _run_epochs(self, epochs, progress_factory, on_epoch, metrics_log, by_steps, sample_batch,
+                  save, stop_requested, after_step) -> None:
+    start_epoch, start_step, pending = self._start
     transition_seconds = 0.0
-    for epoch in range(epochs):
+    if pending and start_epoch < epochs and not by_steps:
+      # Saved at an epoch end, before that epoch's freeze decision.
+      transition_seconds = self.maybe_transition(start_epoch - 1, sample_batch)
+    for epoch in range(start_epoch, epochs):
       if epoch + 1 < epochs and not by_steps:
         self.prepare_next(sample_batch)
       with progress_factory(epoch, self.steps_per_epoch) as bar:
-        stats = self.train_epoch(epoch, bar)
+        stats = self.train_epoch(epoch, bar, start_step if epoch == start_epoch else 0,
+                                 after_step)
       transition_seconds += stats['transition_seconds']
       t0 = time.perf_counter()
       portable = self.portable_state()
@@ -596,9 +760,13 @@ class Trainer:
       row.update(self.prefix.stats())
       t0 = time.perf_counter()
       if on_epoch is not None:
-        on_epoch(epoch, row, portable)  # checkpoints
+        on_epoch(epoch, row, portable)
+      path = None
+      if save is not None:
+        path = save(portable, {**self.checkpoint_meta(epoch, stats['steps'] + (
+            start_step if epoch == start_epoch else 0), True), 'row': row}, False)
       row['checkpoint_seconds'] = time.perf_counter() - t0
-      row['wall_seconds'] = time.perf_counter() - run_start
+      row['wall_seconds'] = self._wall_offset + time.perf_counter() - self._run_start
       metrics_log.append(row)
       extra = ''.join(f' {k[len("eval_"):]} {v:.4f}' for k, v in eval_metrics.items()
                       if k != 'eval_accuracy' and isinstance(v, float))
@@ -606,7 +774,8 @@ class Trainer:
                f'F={row["frozen_layers"]} K={row["pipeline_length"]} R={row["replicas"]} '
                f'M={row["micro_batches"]} {row["epoch_seconds"]:.1f}s '
                f'({row["samples_per_second"]:.0f} samples/s)')
+      if stop_requested is not None and stop_requested():
+        raise TrainingInterrupted(epoch, row['step'], path)  # saved just above
       transition_seconds = 0.0
       if epoch + 1 < epochs and not by_steps:
         transition_seconds = self.maybe_transition(epoch, sample_batch)
-

@@ -1,0 +1,125 @@
+"""Resuming runs: which checkpoints a config may continue from, and stopping
+cleanly on SIGTERM / SIGINT.
+
+*Identity.* A checkpoint records the config keys that give its state a
+meaning — the seed, the data, the model (and the HF model config), every
+``train`` key but ``train.epochs``, every ``freeze`` key but
+``freeze.compile_ahead`` — and a run refuses a checkpoint whose identity
+differs, naming the keys. Left out on purpose: ``train.epochs`` (a run may be
+extended; the learning-rate schedule then follows the new total from the
+resumed step on), ``pipeline.*`` (the plan is recomputed for the devices at
+hand), ``cache.*``, ``checkpoint.*`` and ``resume``.
+
+*Exit codes* of the entry points: 0 done, 2 bad input or a refused
+checkpoint (one line), :data:`EXIT_INTERRUPTED` = 75 (``EX_TEMPFAIL``)
+stopped on a signal after saving — run the same command to continue —,
+:data:`EXIT_ABORTED` = 130 aborted by a second signal (nothing saved beyond
+the last checkpoint).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import threading
+from typing import Any, Callable
+
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (the same command resumes)
+EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
+
+_EXCLUDED = {'train': ('epochs',), 'freeze': ('compile_ahead',)}
+_SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
+
+
+class CheckpointMismatch(ValueError):
+  """A checkpoint written by another model or config."""
+
+
+def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for k, v in tree.items():
+    out.update(_flatten(v, f'{prefix}.{k}' if prefix else str(k)))
+  return out
+
+
+def identity(config, hf_config: dict) -> dict[str, Any]:
+  """The flattened config keys (and HF model config, under ``hf.``) that
+  give a checkpoint's state its meaning (see module docstring)."""
+  c = config.to_dict()
+  picked = {}
+  for section in _SECTIONS:
+    value = c[section]
+    if isinstance(value, dict):
+      value = {k: v for k, v in value.items() if k not in _EXCLUDED.get(section, ())}
+    picked[section] = value
+  picked['hf'] = hf_config
+  return json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str))
+
+
+def fingerprint(ident: dict[str, Any]) -> str:
+  return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_identity(meta: dict, ident: dict[str, Any], path: str) -> None:
+  """Raises :class:`CheckpointMismatch` (naming up to three differing keys)
+  unless checkpoint ``meta`` was written under identity ``ident``."""
+  saved = meta.get('identity')
+  if saved is None or meta.get('fingerprint') != fingerprint(saved):
+    raise CheckpointMismatch(f'checkpoint {path} has no valid identity (not written by this '
+                             f'version of pipejax); use another --workdir or '
+                             f'--config.resume=False to start over')
+  if saved == ident:
+    return
+  keys = sorted(k for k in set(saved) | set(ident) if saved.get(k) != ident.get(k))
+  # Config keys before the HF model config they imply.
+  keys.sort(key=lambda k: k.startswith('hf.'))
+  diff = ', '.join(f'{k}: {saved.get(k, "<absent>")!r} in the checkpoint, '
+                   f'{ident.get(k, "<absent>")!r} now' for k in keys[:3])
+  more = f' (and {len(keys) - 3} more)' if len(keys) > 3 else ''
+  raise CheckpointMismatch(f'checkpoint {path} is from another model or config ({diff}{more}); '
+                           f'use another --workdir, or --config.resume=False to start over')
+
+
+class StopOnSignal:
+  """While active, the first SIGTERM or SIGINT asks training to stop after
+  the current step (:attr:`requested`, polled by the trainer, which then
+  saves and raises :class:`pipejax.trainer.TrainingInterrupted`); a second
+  one raises ``KeyboardInterrupt`` at once. Outside the main thread it does
+  nothing (Python delivers signals to the main thread only).
+
+  Args:
+    log: one-line messages.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self, log: Callable[[str], None] = print):
+    self.log = log
+    self.requested = False
+    self._previous: dict[int, Any] = {}
+
+  def __call__(self) -> bool:
+    return self.requested
+
+  def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    name = signal.Signals(signum).name
+    if self.requested:
+      for s in self.SIGNALS:  # a third signal gets the default behaviour
+        signal.signal(s, signal.SIG_DFL)
+      raise KeyboardInterrupt(f'second signal ({name})')
+    self.requested = True
+    self.log(f'{name}: finishing the current step, saving a checkpoint, then exiting with code '
+             f'{EXIT_INTERRUPTED} (a second signal aborts at once)')
+
+  def __enter__(self) -> 'StopOnSignal':
+    if threading.current_thread() is threading.main_thread():
+      for s in self.SIGNALS:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous.clear()

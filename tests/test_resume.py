@@ -1,0 +1,305 @@
+"""Resuming: an interrupted run continued with the same command equals an
+uninterrupted one bitwise; a checkpoint of another config is refused; a
+failed or corrupt checkpoint leaves the previous one usable; signals."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import elastic, vit_imagenet
+from pipejax import checkpoints, reporting, resume
+from pipejax.trainer import TrainingInterrupted
+from tests import fixtures
+
+# Two stages keep the compiles short; 4 layers freeze 0 -> 1 -> 2 (α = 1/3).
+SMALL = {'data.name': 'digits', 'model.num_layers': 4, 'model.hidden_size': 16,
+         'model.intermediate_size': 32, 'model.num_heads': 2, 'pipeline.initial_length': 2}
+EXACT = ('epoch', 'train_loss', 'train_accuracy', 'eval_accuracy', 'frozen_layers',
+         'pipeline_length', 'replicas', 'micro_batches', 'step', 'stage_sizes')
+
+
+def _config(profile: str, **overrides):
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, {**SMALL, 'train.epochs': 3, 'train.max_steps_per_epoch': 3,
+                               'pipeline.profile_path': profile, 'cache.enabled': False,
+                               **overrides})
+  return config
+
+
+def _rows(workdir) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def _stop_at(poll: int):
+  """``stop_requested`` that says yes at its ``poll``-th call."""
+  calls = []
+
+  def stop():
+    calls.append(1)
+    return len(calls) >= poll
+  return stop
+
+
+def test_interrupted_runs_resume_exactly(tmp_path, capsys):
+  """Stopped mid-epoch, then at an epoch end before its freeze decision, then
+  finished: every per-epoch row equals the uninterrupted run's bitwise. M is
+  being profiled all along (9 steps: 3 candidates x 3 rounds) so the saved
+  profiling queue must continue. (No AutoCache here: its entries advanced
+  through newly frozen blocks may differ from a fresh forward in the last
+  bit, see the next test.)"""
+  reference = str(tmp_path / 'reference')
+  elastic.run(_config(str(tmp_path / 'p-ref.json')), reference, task='vit')
+  expected = _rows(reference)
+  assert [r['frozen_layers'] for r in expected] == [0, 1, 2]
+
+  workdir = str(tmp_path / 'run')
+  config = lambda **o: _config(str(tmp_path / 'p-run.json'), **o)  # noqa: E731
+  # Polls: after steps 1, 2 of each epoch (not its last) and at its end.
+  with pytest.raises(TrainingInterrupted) as stopped:
+    elastic.run(config(), workdir, task='vit', stop_requested=_stop_at(4))
+  assert (stopped.value.epoch, stopped.value.step) == (1, 4)
+  assert stopped.value.checkpoint.endswith(os.path.join('checkpoints', '4'))
+  assert [r['epoch'] for r in _rows(workdir)] == [0]
+  with pytest.raises(TrainingInterrupted) as stopped:  # the resumed epoch's end
+    elastic.run(config(), workdir, task='vit', stop_requested=_stop_at(2))
+  assert (stopped.value.epoch, stopped.value.step) == (1, 6)
+  fewer = str(tmp_path / 'fewer-devices')
+  shutil.copytree(workdir, fewer)
+  summary = elastic.run(config(), workdir, task='vit')
+  out = capsys.readouterr().out
+  assert 'resuming from' in out and 'resumed at step 6 (epoch 1, 3/3 batches)' in out
+  rows = _rows(workdir)
+  assert len(rows) == 3
+  for got, want in zip(rows, expected):
+    assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}
+  assert summary['final_eval_accuracy'] == expected[-1]['eval_accuracy']
+  assert len(summary['freeze_decisions']) == 2 and len(summary['transitions']) == 2
+
+  # Saved on 8 devices (K=2, R=4), resumed on 4: the plan is recomputed for
+  # F=1 on them (R=2); the maths is the same, only the reduction order differs.
+  elastic.run(config(**{'pipeline.devices': 4}), fewer, task='vit')
+  rows = _rows(fewer)
+  assert 'resuming on 4 devices (saved on 8)' in capsys.readouterr().out
+  assert [r['frozen_layers'] for r in rows] == [0, 1, 2]
+  assert [r['replicas'] for r in rows] == [4, 4, 2]
+  np.testing.assert_allclose([r['train_loss'] for r in rows],
+                             [r['train_loss'] for r in expected], rtol=1e-4)
+
+  # A checkpoint from another model is refused in one line before training.
+  code = elastic.main(config(**{'model.hidden_size': 32}), workdir, task='vit')
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1
+  assert "model.hidden_size: 16 in the checkpoint, 32 now" in err[0]
+
+
+def _tiny_state(value: float) -> dict:
+  return {'params': {'w': jnp.full((4, 3), value)}, 'step': jnp.int32(value)}
+
+
+def _abstract(_meta):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _tiny_state(0.0))
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+  """A full disk while writing checkpoint 2: one line naming the intact
+  checkpoint 1, which still restores."""
+  ckpt = checkpoints.Checkpoints(str(tmp_path))
+  ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
+
+  def full_disk(self, item, directory):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, '_save_fn', full_disk)
+  with pytest.raises(checkpoints.CheckpointError) as e:
+    ckpt.save(2, _tiny_state(2.0), {'n': 2}, wait=True)
+  assert '\n' not in str(e.value)
+  assert 'No space left on device' in str(e.value)
+  assert str(e.value).endswith(f'the previous checkpoint is intact: {ckpt.path(1)}')
+  monkeypatch.undo()
+  ckpt.close()
+  state, meta, path = checkpoints.Checkpoints(str(tmp_path)).restore(_abstract)
+  assert path == ckpt.path(1) and meta == {'n': 1}
+  np.testing.assert_array_equal(state['params']['w'], np.full((4, 3), 1.0))
+
+
+def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
+  ckpt = checkpoints.Checkpoints(str(tmp_path))
+  ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
+  ckpt.save(2, _tiny_state(2.0), {'n': 2}, wait=True)
+  ckpt.close()
+  state_dir = os.path.join(ckpt.path(2), 'state')
+  for root, _, files in os.walk(state_dir):  # truncate every file of the state
+    for name in files:
+      open(os.path.join(root, name), 'w').close()
+  messages = []
+  state, meta, path = checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
+  assert path == ckpt.path(1) and int(state['step']) == 1
+  assert len(messages) == 1 and 'is unreadable' in messages[0]
+  assert os.path.isdir(ckpt.path(2) + '.corrupt')
+  # Nothing readable left: one clear error.
+  shutil.rmtree(os.path.join(ckpt.path(1), 'state'))
+  with pytest.raises(checkpoints.CheckpointError, match='no readable checkpoint'):
+    checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
+
+
+def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, monkeypatch,
+                                                                       capsys):
+  """A run whose second checkpoint hits a full disk stops in one line; the
+  same command resumes from the first checkpoint and finishes."""
+  config = lambda: _config(str(tmp_path / 'p.json'), **{  # noqa: E731
+      'train.epochs': 2, 'train.max_steps_per_epoch': 2, 'pipeline.micro_batches': 4})
+  real = checkpoints.Checkpoints.save
+
+  def save(self, step, state, meta, wait=False):
+    if meta['epoch'] == 1:
+      monkeypatch.setattr(ocp.JsonCheckpointHandler, '_save_fn', lambda *a: (_ for _ in ()).throw(
+          OSError(errno.ENOSPC, 'No space left on device')))
+    return real(self, step, state, meta, wait)
+
+  monkeypatch.setattr(checkpoints.Checkpoints, 'save', save)
+  workdir = str(tmp_path / 'run')
+  assert elastic.main(config(), workdir, task='vit') == 2
+  err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
+  assert len(err) == 1 and 'No space left on device' in err[0]
+  assert os.path.join('checkpoints', '2') in err[0]
+  monkeypatch.undo()
+  assert elastic.main(config(), workdir, task='vit') == 0
+  assert f'resuming from {os.path.join(os.path.abspath(workdir), "checkpoints", "2")}' in (
+      capsys.readouterr().out)
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  # A finished run: the same command trains nothing more; resume=False starts over.
+  assert elastic.main(config(), workdir, task='vit') == 0
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  again = config()
+  with again.unlocked():
+    again.resume, again.train.epochs = False, 1
+  assert elastic.main(again, workdir, task='vit') == 0
+  assert 'starting over' in capsys.readouterr().out
+  assert [r['epoch'] for r in _rows(workdir)] == [0]
+
+
+def test_identity_names_the_keys_that_differ():
+  config = vit_imagenet.get_config()
+  ident = resume.identity(config, {'hidden_size': 64})
+  meta = {'identity': ident, 'fingerprint': resume.fingerprint(ident)}
+  resume.check_identity(meta, dict(ident), 'ck')
+  with config.unlocked():
+    config.train.epochs = 99  # extending a run is allowed
+    config.pipeline.devices = 4  # so is another device count
+    config.cache.enabled = False
+  resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
+  with config.unlocked():
+    config.train.learning_rate = 0.5
+    config.seed = 3
+  with pytest.raises(resume.CheckpointMismatch, match=r'seed: 0 in the checkpoint, 3 now, '
+                                                      r'train.learning_rate'):
+    resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
+  with pytest.raises(resume.CheckpointMismatch, match='no valid identity'):
+    resume.check_identity({'identity': ident, 'fingerprint': 'x'}, ident, 'ck')
+
+
+def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
+  log = reporting.MetricsLog(str(tmp_path))
+  for epoch in range(3):
+    log.append({'epoch': epoch, 'train_loss': float(epoch)})
+  with open(log.path, 'a') as f:
+    f.write('{"epoch": 3, "trai')  # torn by a crash
+  assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
+  assert reporting.keep_rows(str(tmp_path), 2) == 1
+  assert [r['epoch'] for r in reporting.MetricsLog(str(tmp_path)).rows] == [0, 1]
+  # A checkpoint's own copy fills in a row the crash kept from the file.
+  reporting.keep_rows(str(tmp_path), 3, {'epoch': 2, 'train_loss': 2.0})
+  assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
+
+
+def test_first_signal_asks_to_stop_second_aborts():
+  messages = []
+  before = signal.getsignal(signal.SIGTERM)
+  with resume.StopOnSignal(messages.append) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop() and 'SIGTERM: finishing the current step' in messages[0]
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(1)  # the handler runs between bytecodes; never reached
+  assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+def _cli(workdir, profile, log):
+  """The real CLI in a subprocess (this worktree first on the path, the
+  tests' compilation cache)."""
+  args = [f'--config.{k}={v}' for k, v in {**SMALL, 'train.epochs': 3,
+                                            'train.max_steps_per_epoch': 4,
+                                            'pipeline.micro_batches': 4,
+                                            'cache.policy': 'always',
+                                            'pipeline.profile_path': profile}.items()]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'PYTHONPATH': root, 'PIPEJAX_COMPILATION_CACHE':
+         jax.config.jax_compilation_cache_dir or ''}
+  return subprocess.Popen([sys.executable, '-m', 'experiments.vit_imagenet',
+                           f'--workdir={workdir}', *args], cwd=root, env=env,
+                          stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def _wait_for(proc, prefix: str, timeout: float = 300) -> str:
+  deadline = time.time() + timeout
+  for line in proc.stdout:
+    if line.startswith(prefix):
+      return line
+    assert time.time() < deadline, f'no line starting with {prefix!r}'
+  raise AssertionError(f'the run ended (code {proc.wait()}) before {prefix!r}')
+
+
+def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
+  """The CLI killed with SIGKILL after epoch 1, rerun and stopped with
+  SIGTERM (saves, exit 75), rerun to the end: the rows equal an uninterrupted
+  run's; metrics rows survive the SIGKILL. AutoCache is on: the reference
+  serves entries advanced through newly frozen blocks, the resumed run
+  rebuilt ones, equal up to the last bit (hence rtol 1e-6 on the losses)."""
+  config = _config(str(tmp_path / 'p-ref.json'), **{'train.max_steps_per_epoch': 4,
+                                                     'pipeline.micro_batches': 4,
+                                                     'cache.enabled': True,
+                                                     'cache.policy': 'always'})
+  reference = str(tmp_path / 'reference')
+  elastic.run(config, reference, task='vit')
+  expected = _rows(reference)
+
+  workdir, profile = str(tmp_path / 'run'), str(tmp_path / 'p.json')
+  with open(tmp_path / 'stderr.txt', 'w') as log:
+    proc = _cli(workdir, profile, log)
+    _wait_for(proc, 'epoch 1:')
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
+    assert [r['epoch'] for r in _rows(workdir)] == [0, 1]  # flushed before the kill
+
+    proc = _cli(workdir, profile, log)
+    _wait_for(proc, 'elastic run')  # the signal comes while it resumes or trains
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=300)[0]
+    assert proc.returncode == resume.EXIT_INTERRUPTED, rest
+    assert 'SIGTERM: finishing the current step' in rest
+
+    proc = _cli(workdir, profile, log)
+    rest = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, rest
+  err = (tmp_path / 'stderr.txt').read_text()
+  assert 'interrupted: stopped on request after step' in err and 'Traceback' not in err
+  rows = _rows(workdir)
+  assert len(rows) == len(expected) == 3
+  close = ('train_loss', 'train_accuracy', 'eval_accuracy')
+  for got, want in zip(rows, expected):
+    assert ({k: got[k] for k in EXACT if k not in close} ==
+            {k: want[k] for k in EXACT if k not in close})
+    np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=1e-6)
+  assert all(r['cache'] for r in rows[1:])
