@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import sys
 import time
@@ -18,9 +19,9 @@ from tqdm import tqdm
 
 import models
 from experiments import datasets, text_data, text_eval
-from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, schedule
+from pipejax import checkpoints, distributed, freeze, frozen_prefix, pipeline, reporting, schedule
 from pipejax.autocache import CacheMismatchError
-from pipejax.data import Loader
+from pipejax.data import Loader, ShardedLoader
 from pipejax.partition import PartitionError
 from pipejax.trainer import LossNotFinite, Trainer
 
@@ -80,6 +81,25 @@ def check_config(config, num_devices_available: int) -> None:
                       f'{c.cache.on_mismatch!r}')
   freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
                       c.freeze.min_active_layers)
+  if jax.process_count() > 1:
+    _check_multi_process(c)
+
+
+def _check_multi_process(c) -> None:
+  """What a job of several processes needs on top (see README, Several hosts)."""
+  local = jax.local_device_count()
+  if c.pipeline.devices != jax.device_count():
+    raise ConfigError(f'pipeline.devices={c.pipeline.devices} must be all {jax.device_count()} '
+                      f'devices of the {jax.process_count()} processes')
+  if c.pipeline.initial_length > local or local % c.pipeline.initial_length:
+    ok = [k for k in range(1, local + 1) if local % k == 0]
+    raise ConfigError(f'pipeline.initial_length={c.pipeline.initial_length} does not fit in '
+                      f'one process ({local} devices each; the stage axis stays inside a '
+                      f'host); use one of {ok}')
+  if not c.pipeline.micro_batches:
+    raise ConfigError('pipeline.micro_batches=0 (profiling M) is not supported with several '
+                      'processes (each would time its own steps and could choose another M); '
+                      'set it, e.g. --config.pipeline.micro_batches=4')
 
 
 TASKS = ('vit', 'bert_glue', 'bert_squad')
@@ -193,9 +213,10 @@ def _progress(epoch: int, total: int):
 def run(config, workdir: str | None, task: str) -> dict:
   """Runs one elastic (or baseline) training; returns the summary."""
   start = time.perf_counter()
+  distributed.initialize(config, _log)  # before any JAX computation
   devices_available = len(jax.devices())
   check_config(config, devices_available)
-  devices = jax.devices()[:config.pipeline.devices]
+  devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
   created = resolve_model(config, data, task)
   model = created.model
@@ -214,10 +235,7 @@ def run(config, workdir: str | None, task: str) -> dict:
   if largest > len(data.train):
     raise ConfigError(f'the global batch can reach {largest} samples but {data.name} has '
                       f'{len(data.train)} training samples; lower train.batch_size')
-  cap = config.train.max_steps_per_epoch
-  train_loader = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
-  eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
-                       max_steps=cap)
+  train_loader, eval_loader = _loaders(config, data)
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
   _log(f'{mode} run: {data.name}, {_describe(model)}, '
        f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
@@ -244,6 +262,8 @@ def run(config, workdir: str | None, task: str) -> dict:
   finally:
     if ckpt is not None:
       ckpt.close()
+  if isinstance(train_loader, ShardedLoader):
+    _write_served_ids(workdir, train_loader, eval_loader)
   rows = result['rows']
   summary = {
       'mode': mode, 'task': task, 'data': data.name, 'config': config.to_dict(),
@@ -262,12 +282,47 @@ def run(config, workdir: str | None, task: str) -> dict:
       'micro_batch_timings': {str(k): v for k, v in trainer.micro_batch_timings.items()},
       'final_plan': trainer.plan.describe(),
   }
-  reporting.write_summary(workdir, summary)
-  reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
+  if distributed.is_main_process():
+    reporting.write_summary(workdir, summary)
+    reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
   _log(f'done in {summary["total_seconds"]:.1f}s: final eval accuracy '
        f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '
        f'outputs in {workdir}')
   return summary
+
+
+def _loaders(config, data):
+  """The train and eval loaders: plain, or over ``distributed.data_shards``
+  disjoint shards of which this process reads its own (one per process by
+  default)."""
+  cap = config.train.max_steps_per_epoch
+  processes = jax.process_count()
+  shards = config.distributed.data_shards or processes
+  if shards == 1:
+    return (Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap),
+            Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
+                   max_steps=cap))
+  if shards % processes or config.train.batch_size % shards:
+    raise ConfigError(f'distributed.data_shards={shards} must be a multiple of the {processes} '
+                      f'processes and divide train.batch_size={config.train.batch_size}')
+  per = shards // processes
+  local = tuple(range(jax.process_index() * per, (jax.process_index() + 1) * per))
+  if config.train.batch_mode != 'constant':
+    raise ConfigError('distributed.data_shards > 1 needs train.batch_mode=constant')
+  return (ShardedLoader(data.train, config.train.batch_size, shards, local, seed=config.seed,
+                        max_steps=cap),
+          ShardedLoader(data.eval, config.train.batch_size, shards, local, shuffle=False,
+                        drop_remainder=False, max_steps=cap))
+
+
+def _write_served_ids(workdir: str, train_loader: ShardedLoader, eval_loader: ShardedLoader):
+  """``sample_ids/process_<i>.json``: the shards this process read and every
+  sample ID it served (multi-host runs check that hosts read disjoint data)."""
+  directory = os.path.join(workdir, 'sample_ids')
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, f'process_{jax.process_index()}.json'), 'w') as f:
+    json.dump({'process': jax.process_index(), 'shards': list(train_loader.local_shards),
+               'train': sorted(train_loader.served), 'eval': sorted(eval_loader.served)}, f)
 
 
 def _describe(model) -> str:
@@ -281,7 +336,7 @@ def _describe(model) -> str:
 
 KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.DatasetMissing,
                 freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
-                schedule.ScheduleError, text_data.TextConfigError)
+                schedule.ScheduleError, text_data.TextConfigError, distributed.DistributedError)
 
 
 def main(config, workdir: str | None, task: str) -> int:
@@ -326,4 +381,15 @@ def cli(config_file: str, task: str) -> int:
   parsed = parse_command_line(config_file)
   if parsed is None:
     return 2
-  return main(*parsed, task)
+  config, workdir = parsed
+  try:
+    distributed.check_config(config)
+  except distributed.DistributedError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  if distributed.is_multi_process(config) and not os.environ.get(distributed.SUPERVISED_ENV):
+    # Train in a child, so that a lost peer ends this process in one line.
+    ckpt = os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
+    return distributed.supervise(sys.orig_argv, config.distributed.process_id, ckpt,
+                                 config.distributed.heartbeat_timeout_seconds)
+  return main(config, workdir, task)

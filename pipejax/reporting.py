@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+import jax
+
 
 class MetricsLog:
   """Appends one JSON row per epoch to ``metrics.jsonl`` and flushes it."""
@@ -16,6 +18,8 @@ class MetricsLog:
 
   def append(self, row: dict[str, Any]) -> None:
     self.rows.append(row)
+    if jax.process_index():  # several processes: process 0 writes the run's files
+      return
     with open(self.path, 'a') as f:
       f.write(json.dumps(row) + '\n')
       f.flush()
