@@ -349,6 +349,9 @@ def main(config, workdir: str | None, task: str) -> int:
   except KeyboardInterrupt:
     print('interrupted', file=sys.stderr)
     return 130
+  except jax.errors.JaxRuntimeError as e:
+    distributed.exit_if_peer_lost(e)  # several processes: one line, no hang at exit
+    raise
   return 0
 
 

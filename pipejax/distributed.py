@@ -200,6 +200,21 @@ def supervise(argv: Sequence[str], process_id: int, checkpoint_dir: str | None,
   return 3
 
 
+def exit_if_peer_lost(error: Exception) -> None:
+  """With several processes, a failed computation (a collective whose peer
+  is gone) ends this process in one line with exit code 3, without the exit
+  handlers (``jax.distributed.shutdown`` would wait for the lost peer)."""
+  import jax  # noqa: PLC0415
+  if jax.process_count() == 1:
+    return
+  detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+  print(f'error: process {jax.process_index()} stopped: a computation across processes failed '
+        f'({detail}); another process probably died; relaunch the same command on every host '
+        f'to resume from the last checkpoint', file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(3)  # noqa: SLF001 - see the docstring
+
+
 def _latest_checkpoint(checkpoint_dir: str | None) -> str:
   """The newest finished orbax step directory (read from the file system: the
   job's runtime is gone)."""
