@@ -80,6 +80,22 @@ def test_a_pipeline_never_crosses_processes():
   assert [d.process_index for d in distributed.ordered_devices(shuffled)] == [0] * 4 + [1] * 4
 
 
+def test_multi_process_limits_are_one_line(monkeypatch):
+  import jax  # noqa: PLC0415
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(jax, 'local_device_count', lambda: 4)
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, {**SMALL, 'pipeline.initial_length': 8})
+  with pytest.raises(elastic.ConfigError, match=r'initial_length=8 does not fit in one process '
+                                                r'\(4 devices each.*use one of \[1, 2, 4\]'):
+    elastic.check_config(config, 8)
+  with config.unlocked():
+    fixtures.override(config, {'pipeline.initial_length': 4, 'pipeline.micro_batches': 0})
+  with pytest.raises(elastic.ConfigError, match='micro_batches=0 .* not supported with several'):
+    elastic.check_config(config, 8)
+
+
 @pytest.mark.parametrize('key,value,message', [
     ('coordinator', 'localhost', "must be 'host:port' or 'auto'"),
     ('process_id', 2, r'process_id=2 must be in \[0, num_processes=2\)'),
@@ -187,7 +203,12 @@ def _wait_for_checkpoint(workdir, processes, timeout):
   return None
 
 
-def test_a_dead_process_stops_the_job_in_one_line(tmp_path):
+@pytest.mark.parametrize('victim', [1, 0])
+def test_a_dead_process_stops_the_job_in_one_line(tmp_path, victim):
+  """Kills one process (its supervisor and, with it, its training) after the
+  first checkpoint; the other must stop in one line: at once when the
+  coordinator (process 0) is gone, within the heartbeat timeout otherwise."""
+  survivor = 1 - victim
   workdir = str(tmp_path / 'job')
   heartbeat = 10
   job = _launch(workdir, {**SMALL, 'train.epochs': 50}, heartbeat=heartbeat)
@@ -197,9 +218,9 @@ def test_a_dead_process_stops_the_job_in_one_line(tmp_path):
       codes = [p.poll() for p in job]
       pytest.fail(f'no checkpoint appeared (exit codes {codes}): '
                   f'{job[0].stderr.read()[-3000:] if codes[0] is not None else ""}')
-    os.killpg(job[1].pid, signal.SIGKILL)  # the whole "host" of process 1
+    os.killpg(job[victim].pid, signal.SIGKILL)  # the whole "host" of the victim
     killed = time.monotonic()
-    code, _, stderr = _finish(job[:1], timeout=heartbeat + 50)[0]
+    code, _, stderr = _finish([job[survivor]], timeout=heartbeat + 50)[0]
     detected = time.monotonic() - killed
   finally:
     for p in job:
@@ -207,13 +228,16 @@ def test_a_dead_process_stops_the_job_in_one_line(tmp_path):
         os.killpg(p.pid, signal.SIGKILL)
       p.communicate()
   lines = stderr.strip().splitlines()
-  print(f'process 0 stopped {detected:.1f}s after process 1 was killed: {lines[-1]}')
+  print(f'process {survivor} stopped {detected:.1f}s after process {victim} was killed: '
+        f'{lines[-1]}')
   assert code == 3, stderr[-3000:]
-  assert lines[-1].startswith('error: process 0 stopped: ')
+  assert lines[-1].startswith(f'error: process {survivor} stopped: ')
   assert 'another process' in lines[-1] and 'relaunch the same command' in lines[-1]
   assert 'Check failure stack trace' not in stderr and 'Traceback' not in stderr
   steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-  assert steps
+  assert steps and f'last checkpoint: {directory}{os.sep}' in lines[-1]
+  if victim == 0:
+    return  # one relaunch (below) is enough
   if 'resume' not in vit_imagenet.get_config():
     pytest.skip('the job stopped cleanly; resuming it needs config.resume (being built on '
                 'another branch)')
