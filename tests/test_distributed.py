@@ -246,5 +246,5 @@ def test_a_dead_process_stops_the_job_in_one_line(tmp_path, victim):
   results = _finish(job, timeout=240)
   for p, (code, _, stderr) in enumerate(results):
     assert code == 0, f'process {p}: {stderr[-3000:]}'
-  assert _rows(workdir)[-1]['step'] > steps[-1]
-  assert 'resum' in results[0][1].lower() and str(steps[-1]) in results[0][1]
+  assert f'resuming from {os.path.join(directory, str(steps[-1]))}' in results[0][1]
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1, 2]
