@@ -162,7 +162,9 @@ def supervise(argv: Sequence[str], process_id: int, checkpoint_dir: str | None,
   The child's output passes through, except the C++ runtime's crash report
   when a peer is lost: from the first such line on, stderr is kept in
   ``<checkpoint_dir>/../process_<id>.crash.log`` and replaced by one line
-  (exit code 3) naming the last checkpoint.
+  (exit code 3) naming the last checkpoint. A child that stopped with its
+  own one-line error (bad input, exit code 2) keeps it, without the
+  runtime's report of its early exit.
   """
   env = dict(os.environ, **{SUPERVISED_ENV: '1'})
   child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE,
@@ -174,9 +176,10 @@ def supervise(argv: Sequence[str], process_id: int, checkpoint_dir: str | None,
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, forward)
   swallowed: list[bytes] = []
-  lost = False
+  lost = own_error = False
   for line in iter(child.stderr.readline, b''):
     text = line.decode(errors='replace')
+    own_error = own_error or (not lost and text.startswith('error: '))
     lost = lost or bool(_ABSL_LINE.match(text) and _PEER_LOST.search(text))
     if lost:
       swallowed.append(line)
@@ -184,6 +187,8 @@ def supervise(argv: Sequence[str], process_id: int, checkpoint_dir: str | None,
       sys.stderr.buffer.write(line)
       sys.stderr.flush()
   code = child.wait()
+  if own_error:  # the child said what went wrong; the runtime's exit report adds nothing
+    return code if code > 0 else 2
   if code == 0 or not lost:
     return code if code >= 0 else 128 - code
   crash_log = None

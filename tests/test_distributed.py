@@ -190,6 +190,15 @@ def test_two_processes_match_one_process(tmp_path):
   assert os.path.exists(os.path.join(workdir, 'summary.json'))
 
 
+def test_the_job_refuses_a_pipeline_longer_than_a_process(tmp_path):
+  job = _launch(str(tmp_path / 'job'), {**SMALL, 'pipeline.initial_length': 8})
+  for p, (code, _, stderr) in enumerate(_finish(job, timeout=120)):
+    assert code == 2, f'process {p}: {stderr[-3000:]}'
+    assert stderr.strip().splitlines()[-1] == (
+        'error: pipeline.initial_length=8 does not fit in one process (4 devices each; the '
+        'stage axis stays inside a host); use one of [1, 2, 4]'), stderr[-3000:]
+
+
 def _wait_for_checkpoint(workdir, processes, timeout):
   directory = os.path.join(workdir, 'checkpoints')
   deadline = time.monotonic() + timeout
