@@ -218,6 +218,9 @@ def run(config, workdir: str | None, task: str) -> dict:
   check_config(config, devices_available)
   devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
+  if jax.process_count() > 1 and data.evaluator is not None:
+    raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
+                      f'batches); run it without distributed.coordinator')
   created = resolve_model(config, data, task)
   model = created.model
   if config.freeze.min_active_layers > model.num_layers:
@@ -393,6 +396,8 @@ def cli(config_file: str, task: str) -> int:
   if distributed.is_multi_process(config) and not os.environ.get(distributed.SUPERVISED_ENV):
     # Train in a child, so that a lost peer ends this process in one line.
     ckpt = os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
-    return distributed.supervise(sys.orig_argv, config.distributed.process_id, ckpt,
+    process_id = None if config.distributed.coordinator == 'auto' else (
+        config.distributed.process_id)
+    return distributed.supervise(sys.orig_argv, process_id, ckpt,
                                  config.distributed.heartbeat_timeout_seconds)
   return main(config, workdir, task)

@@ -146,29 +146,32 @@ def is_main_process() -> bool:
 
 
 # -- failure handling ------------------------------------------------------------------
-def _die_with_parent() -> None:
-  """In the child: SIGKILL when the supervisor dies (Linux), so a killed host
-  takes its training with it."""
+def _child_setup() -> None:
+  """In the child: its own process group (a terminal's Ctrl-C reaches only
+  the supervisor, which forwards it once), and SIGKILL when the supervisor
+  dies (Linux), so a killed host takes its training with it."""
+  os.setpgid(0, 0)
   try:
     ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
   except OSError:
     pass
 
 
-def supervise(argv: Sequence[str], process_id: int, checkpoint_dir: str | None,
+def supervise(argv: Sequence[str], process_id: int | None, checkpoint_dir: str | None,
               heartbeat_timeout: int) -> int:
   """Runs ``argv`` (this very command) as a child and returns its exit code.
 
   The child's output passes through, except the C++ runtime's crash report
   when a peer is lost: from the first such line on, stderr is kept in
   ``<checkpoint_dir>/../process_<id>.crash.log`` and replaced by one line
-  (exit code 3) naming the last checkpoint. A child that stopped with its
+  (exit code 3) naming the last checkpoint (``process_id`` None: not known
+  here, e.g. ``coordinator='auto'``). A child that stopped with its
   own one-line error (bad input, exit code 2) keeps it, without the
   runtime's report of its early exit.
   """
   env = dict(os.environ, **{SUPERVISED_ENV: '1'})
   child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE,
-                           preexec_fn=_die_with_parent if sys.platform == 'linux' else None)
+                           preexec_fn=_child_setup if sys.platform == 'linux' else None)
 
   def forward(signum, _frame):
     child.send_signal(signum)
@@ -193,11 +196,13 @@ def supervise(argv: Sequence[str], process_id: int, checkpoint_dir: str | None,
     return code if code >= 0 else 128 - code
   crash_log = None
   if checkpoint_dir:
-    crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'process_{process_id}.crash.log')
+    name = f'process_{process_id}' if process_id is not None else f'pid_{os.getpid()}'
+    crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'{name}.crash.log')
     os.makedirs(os.path.dirname(crash_log), exist_ok=True)
     with open(crash_log, 'wb') as f:
       f.writelines(swallowed)
-  print(f'error: process {process_id} stopped: another process of the job died or stopped '
+  who = f'process {process_id}' if process_id is not None else 'this process'
+  print(f'error: {who} stopped: another process of the job died or stopped '
         f'responding (detected by the JAX coordination service, heartbeat timeout '
         f'{heartbeat_timeout}s); last checkpoint: {_latest_checkpoint(checkpoint_dir)}; relaunch '
         f'the same command on every host to resume'
