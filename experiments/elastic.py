@@ -396,8 +396,5 @@ def cli(config_file: str, task: str) -> int:
   if distributed.is_multi_process(config) and not os.environ.get(distributed.SUPERVISED_ENV):
     # Train in a child, so that a lost peer ends this process in one line.
     ckpt = os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
-    process_id = None if config.distributed.coordinator == 'auto' else (
-        config.distributed.process_id)
-    return distributed.supervise(sys.orig_argv, process_id, ckpt,
-                                 config.distributed.heartbeat_timeout_seconds)
+    return distributed.supervise(sys.orig_argv, config.distributed, ckpt)
   return main(config, workdir, task)

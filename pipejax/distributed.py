@@ -157,15 +157,16 @@ def _child_setup() -> None:
     pass
 
 
-def supervise(argv: Sequence[str], process_id: int | None, checkpoint_dir: str | None,
-              heartbeat_timeout: int) -> int:
+def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   """Runs ``argv`` (this very command) as a child and returns its exit code.
+
+  ``settings`` is the run's ``config.distributed``.
 
   The child's output passes through, except the C++ runtime's crash report
   when a peer is lost: from the first such line on, stderr is kept in
   ``<checkpoint_dir>/../process_<id>.crash.log`` and replaced by one line
-  (exit code 3) naming the last checkpoint (``process_id`` None: not known
-  here, e.g. ``coordinator='auto'``). A child that stopped with its
+  (exit code 3) naming the last checkpoint, or saying that the job could not
+  be joined. A child that stopped with its
   own one-line error (bad input, exit code 2) keeps it, without the
   runtime's report of its early exit.
   """
@@ -195,6 +196,8 @@ def supervise(argv: Sequence[str], process_id: int | None, checkpoint_dir: str |
   if code == 0 or not lost:
     return code if code >= 0 else 128 - code
   crash_log = None
+  auto = settings.coordinator == 'auto'  # the rank is JAX's guess, not known here
+  process_id = None if auto else settings.process_id
   if checkpoint_dir:
     name = f'process_{process_id}' if process_id is not None else f'pid_{os.getpid()}'
     crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'{name}.crash.log')
@@ -202,11 +205,18 @@ def supervise(argv: Sequence[str], process_id: int | None, checkpoint_dir: str |
     with open(crash_log, 'wb') as f:
       f.writelines(swallowed)
   who = f'process {process_id}' if process_id is not None else 'this process'
+  log = f' (runtime log: {crash_log})' if crash_log else ''
+  if any(b'RegisterTask' in line for line in swallowed):  # never joined
+    print(f'error: {who} could not join the job at {settings.coordinator} within '
+          f'{settings.initialization_timeout_seconds}s: start the same command on every host '
+          f'(process 0 serves the coordinator; check its address and port){log}',
+          file=sys.stderr, flush=True)
+    return 3
   print(f'error: {who} stopped: another process of the job died or stopped '
         f'responding (detected by the JAX coordination service, heartbeat timeout '
-        f'{heartbeat_timeout}s); last checkpoint: {_latest_checkpoint(checkpoint_dir)}; relaunch '
-        f'the same command on every host to resume'
-        + (f' (runtime log: {crash_log})' if crash_log else ''), file=sys.stderr, flush=True)
+        f'{settings.heartbeat_timeout_seconds}s); last checkpoint: '
+        f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every host to '
+        f'resume{log}', file=sys.stderr, flush=True)
   return 3
 
 

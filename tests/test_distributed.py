@@ -199,6 +199,22 @@ def test_the_job_refuses_a_pipeline_longer_than_a_process(tmp_path):
         'stage axis stays inside a host); use one of [1, 2, 4]'), stderr[-3000:]
 
 
+def test_a_process_that_cannot_join_says_so_in_one_line(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  port = _free_port()  # nobody serves it: process 0 never started
+  done = subprocess.run(
+      [sys.executable, '-m', 'experiments.vit_imagenet', '--config.data.name=digits',
+       f'--config.distributed.coordinator=localhost:{port}', '--config.distributed.num_processes=2',
+       '--config.distributed.process_id=1', '--config.distributed.initialization_timeout_seconds=3',
+       f'--workdir={tmp_path / "job"}'], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=120)
+  assert done.returncode == 3
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      f'error: process 1 could not join the job at localhost:{port} within 3s'), done.stderr
+  assert 'Check failure stack trace' not in done.stderr
+
+
 def _wait_for_checkpoint(workdir, processes, timeout):
   directory = os.path.join(workdir, 'checkpoints')
   deadline = time.monotonic() + timeout
