@@ -162,12 +162,15 @@ def _rows(workdir):
 @JOBS
 def test_two_processes_match_one_process(tmp_path):
   workdir = str(tmp_path / 'job')
-  results = _finish(_launch(workdir, {**SMALL, 'checkpoint.enabled': False}), timeout=240)
+  # AutoCache off in both: the job turns it off anyway, and entries advanced
+  # through newly frozen blocks may differ from a fresh forward in the last bit.
+  overrides = {**SMALL, 'checkpoint.enabled': False, 'cache.enabled': False}
+  results = _finish(_launch(workdir, overrides), timeout=240)
   # The reference: one process, 8 devices, the same 2 data shards (run after
   # the job, not beside it: 2 CPU cores would starve the job's processes).
   config = vit_imagenet.get_config()
   with config.unlocked():
-    fixtures.override(config, {**SMALL, 'distributed.data_shards': 2})
+    fixtures.override(config, {**overrides, 'distributed.data_shards': 2})
   elastic.run(config, str(tmp_path / 'single'), task='vit')
   for p, (code, stdout, stderr) in enumerate(results):
     assert code == 0, f'process {p}: {stderr[-3000:]}'
@@ -178,10 +181,12 @@ def test_two_processes_match_one_process(tmp_path):
       (4, 2, 0), (2, 4, 3)]
   assert [r['pipeline_length'] for r in reference] == [4, 2]
   # The same global batches through the same programs; only the gradient
-  # mean over 'data' crosses processes (gloo), whose summation order may
-  # differ from the in-process one. Bitwise equal when measured.
-  np.testing.assert_allclose([r['train_loss'] for r in rows],
-                             [r['train_loss'] for r in reference], rtol=1e-6)
+  # mean over 'data' crosses processes (gloo). Measured: bitwise equal with
+  # one replica per process (R=2); ~1e-7 relative at R=4, where two replicas
+  # per process are summed in another order than in one process.
+  losses = [r['train_loss'] for r in rows], [r['train_loss'] for r in reference]
+  print(f'train losses, 2 processes x 4 devices: {losses[0]}; 1 process x 8: {losses[1]}')
+  np.testing.assert_allclose(*losses, rtol=1e-6)
   assert [r['eval_accuracy'] for r in rows] == [r['eval_accuracy'] for r in reference]
   read = []
   for p in (0, 1):
