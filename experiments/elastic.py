@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import sys
 import time
@@ -19,9 +20,10 @@ from tqdm import tqdm
 
 import models
 from experiments import datasets, text_data, text_eval
-from pipejax import checkpoints, freeze, frozen_prefix, pipeline, reporting, resume, schedule
+from pipejax import (checkpoints, distributed, freeze, frozen_prefix, pipeline, reporting,
+                     resume, schedule)
 from pipejax.autocache import CacheMismatchError
-from pipejax.data import Loader
+from pipejax.data import Loader, ShardedLoader
 from pipejax.partition import PartitionError
 from pipejax.trainer import PROFILE_ROUNDS, LossNotFinite, Trainer, TrainingInterrupted
 
@@ -83,6 +85,25 @@ def check_config(config, num_devices_available: int) -> None:
                       f'{c.cache.on_mismatch!r}')
   freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
                       c.freeze.min_active_layers)
+  if jax.process_count() > 1:
+    _check_multi_process(c)
+
+
+def _check_multi_process(c) -> None:
+  """What a job of several processes needs on top (see README, Several hosts)."""
+  local = jax.local_device_count()
+  if c.pipeline.devices != jax.device_count():
+    raise ConfigError(f'pipeline.devices={c.pipeline.devices} must be all {jax.device_count()} '
+                      f'devices of the {jax.process_count()} processes')
+  if c.pipeline.initial_length > local or local % c.pipeline.initial_length:
+    ok = [k for k in range(1, local + 1) if local % k == 0]
+    raise ConfigError(f'pipeline.initial_length={c.pipeline.initial_length} does not fit in '
+                      f'one process ({local} devices each; the stage axis stays inside a '
+                      f'host); use one of {ok}')
+  if not c.pipeline.micro_batches:
+    raise ConfigError('pipeline.micro_batches=0 (profiling M) is not supported with several '
+                      'processes (each would time its own steps and could choose another M); '
+                      'set it, e.g. --config.pipeline.micro_batches=4')
 
 
 TASKS = ('vit', 'bert_glue', 'bert_squad')
@@ -240,10 +261,14 @@ def run(config, workdir: str | None, task: str,
   :class:`pipejax.trainer.TrainingInterrupted`.
   """
   start = time.perf_counter()
+  distributed.initialize(config, _log)  # before any JAX computation
   devices_available = len(jax.devices())
   check_config(config, devices_available)
-  devices = jax.devices()[:config.pipeline.devices]
+  devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
+  if jax.process_count() > 1 and data.evaluator is not None:
+    raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
+                      f'batches); run it without distributed.coordinator')
   created = resolve_model(config, data, task)
   model = created.model
   if config.freeze.min_active_layers > model.num_layers:
@@ -271,10 +296,7 @@ def run(config, workdir: str | None, task: str,
   if largest > len(data.train):
     raise ConfigError(f'the global batch can reach {largest} samples but {data.name} has '
                       f'{len(data.train)} training samples; lower train.batch_size')
-  cap = config.train.max_steps_per_epoch
-  train_loader = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
-  eval_loader = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
-                       max_steps=cap)
+  train_loader, eval_loader = _loaders(config, data)
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
   _log(f'{mode} run: {data.name}, {_describe(model)}, '
        f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
@@ -293,7 +315,7 @@ def run(config, workdir: str | None, task: str,
     if config.resume:
       _resume(workdir, trainer, ckpt, ident)
     result = trainer.run(config.train.epochs, _progress, save=save,
-                         stop_requested=stop_requested,
+                         stop_requested=distributed.agreed_stop(stop_requested),
                          save_every_steps=config.checkpoint.every_steps)
   except LossNotFinite as e:
     last = ckpt.latest() if ckpt is not None else None
@@ -302,6 +324,8 @@ def run(config, workdir: str | None, task: str,
   finally:
     if ckpt is not None:
       ckpt.close()
+  if isinstance(train_loader, ShardedLoader):
+    _write_served_ids(workdir, train_loader, eval_loader)
   rows = result['rows']
   summary = {
       'mode': mode, 'task': task, 'data': data.name, 'config': config.to_dict(),
@@ -322,12 +346,47 @@ def run(config, workdir: str | None, task: str,
       'micro_batch_timings': {str(k): v for k, v in trainer.micro_batch_timings.items()},
       'final_plan': trainer.plan.describe(),
   }
-  reporting.write_summary(workdir, summary)
-  reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
+  if distributed.is_main_process():
+    reporting.write_summary(workdir, summary)
+    reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
   _log(f'done in {summary["total_seconds"]:.1f}s: final eval accuracy '
        f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '
        f'outputs in {workdir}')
   return summary
+
+
+def _loaders(config, data):
+  """The train and eval loaders: plain, or over ``distributed.data_shards``
+  disjoint shards of which this process reads its own (one per process by
+  default)."""
+  cap = config.train.max_steps_per_epoch
+  processes = jax.process_count()
+  shards = config.distributed.data_shards or processes
+  if shards == 1:
+    return (Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap),
+            Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
+                   max_steps=cap))
+  if shards % processes or config.train.batch_size % shards:
+    raise ConfigError(f'distributed.data_shards={shards} must be a multiple of the {processes} '
+                      f'processes and divide train.batch_size={config.train.batch_size}')
+  per = shards // processes
+  local = tuple(range(jax.process_index() * per, (jax.process_index() + 1) * per))
+  if config.train.batch_mode != 'constant':
+    raise ConfigError('distributed.data_shards > 1 needs train.batch_mode=constant')
+  return (ShardedLoader(data.train, config.train.batch_size, shards, local, seed=config.seed,
+                        max_steps=cap),
+          ShardedLoader(data.eval, config.train.batch_size, shards, local, shuffle=False,
+                        drop_remainder=False, max_steps=cap))
+
+
+def _write_served_ids(workdir: str, train_loader: ShardedLoader, eval_loader: ShardedLoader):
+  """``sample_ids/process_<i>.json``: the shards this process read and every
+  sample ID it served (multi-host runs check that hosts read disjoint data)."""
+  directory = os.path.join(workdir, 'sample_ids')
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, f'process_{jax.process_index()}.json'), 'w') as f:
+    json.dump({'process': jax.process_index(), 'shards': list(train_loader.local_shards),
+               'train': sorted(train_loader.served), 'eval': sorted(eval_loader.served)}, f)
 
 
 def _describe(model) -> str:
@@ -342,7 +401,7 @@ def _describe(model) -> str:
 KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.DatasetMissing,
                 freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
                 schedule.ScheduleError, text_data.TextConfigError, checkpoints.CheckpointError,
-                resume.CheckpointMismatch)
+                resume.CheckpointMismatch, distributed.DistributedError)
 
 
 def main(config, workdir: str | None, task: str) -> int:
@@ -362,6 +421,9 @@ def main(config, workdir: str | None, task: str) -> int:
     except KeyboardInterrupt:
       print('aborted (nothing saved after the last checkpoint)', file=sys.stderr)
       return resume.EXIT_ABORTED
+    except jax.errors.JaxRuntimeError as e:
+      distributed.exit_if_peer_lost(e)  # several processes: one line, no hang at exit
+      raise
   return 0
 
 
@@ -394,4 +456,14 @@ def cli(config_file: str, task: str) -> int:
   parsed = parse_command_line(config_file)
   if parsed is None:
     return 2
-  return main(*parsed, task)
+  config, workdir = parsed
+  try:
+    distributed.check_config(config)
+  except distributed.DistributedError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  if distributed.is_multi_process(config) and not os.environ.get(distributed.SUPERVISED_ENV):
+    # Train in a child, so that a lost peer ends this process in one line.
+    ckpt = os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
+    return distributed.supervise(sys.orig_argv, config.distributed, ckpt)
+  return main(config, workdir, task)

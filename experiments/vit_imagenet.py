@@ -79,6 +79,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.cache.directory = ''  # default: <workdir>/cache
   c.cache.on_mismatch = 'refuse'  # a cache directory of another run: 'refuse' or 'clear'
   c.cache.accept_reused_augmentation = False  # cache a randomly augmented prefix input anyway
+  c.distributed = ml_collections.ConfigDict()  # several processes / hosts (README)
+  c.distributed.coordinator = ''  # 'host:port' of process 0, 'auto' (SLURM, ...), '': one process
+  c.distributed.num_processes = 1
+  c.distributed.process_id = 0
+  c.distributed.heartbeat_timeout_seconds = 100  # a silent process counts as dead after this
+  c.distributed.initialization_timeout_seconds = 300
+  c.distributed.data_shards = 0  # disjoint data shards (0: one per process)
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.enabled = True
   c.checkpoint.keep = 2

@@ -149,3 +149,99 @@ def host_subset(num_samples: int, process_index: int, process_count: int,
   share = num_samples // process_count
   permutation = np.random.default_rng([seed, 0x5eed]).permutation(num_samples)
   return np.sort(permutation[process_index * share:(process_index + 1) * share]).astype(np.int64)
+
+
+def shard_ids(num_samples: int, shard: int, shards: int, seed: int, equal: bool) -> np.ndarray:
+  """The sample IDs of data shard ``shard`` of ``shards``.
+
+  ``equal=True`` (training): :func:`host_subset`, equal shares (a few
+  left-over IDs dropped) fixed for the run. ``equal=False`` (evaluation):
+  contiguous ranges that together hold every sample once.
+  """
+  if equal:
+    return host_subset(num_samples, shard, shards, seed)
+  return np.array_split(np.arange(num_samples), shards)[shard]
+
+
+@dataclasses.dataclass
+class ShardedLoader:
+  """A :class:`Loader` over ``shards`` disjoint data shards, of which this
+  process reads ``local_shards`` (multi-host runs, paper App. D.1).
+
+  Each shard has its own Loader of ``batch_size // shards`` samples per step
+  over :func:`shard_ids`; the global batch of a step is the shards' batches
+  concatenated in shard order. :meth:`epoch` yields this process's part: its
+  local shards' batches concatenated, so one process reading every shard
+  yields exactly the global batches of a job whose processes read one shard
+  each (:func:`pipejax.distributed.put_batch` assembles them in process order).
+  Without ``drop_remainder`` every shard runs the same number of steps, short
+  shards padded with ``example_mask`` 0.
+
+  Attributes are those of :class:`Loader` (``batch_size`` is global), plus
+  ``shards``, ``local_shards`` and ``served``: a set that collects every
+  sample ID this loader (and its ``dataclasses.replace`` copies) served.
+  """
+  source: object
+  batch_size: int
+  shards: int
+  local_shards: tuple[int, ...]
+  seed: int = 0
+  shuffle: bool = True
+  drop_remainder: bool = True
+  max_steps: int = 0
+  served: set = dataclasses.field(default_factory=set)
+
+  def __post_init__(self):
+    if self.shards < 1 or self.batch_size % self.shards:
+      raise ValueError(f'batch size {self.batch_size} is not divisible by the {self.shards} '
+                       f'data shards')
+    if not self.local_shards or not set(self.local_shards) <= set(range(self.shards)):
+      raise ValueError(f'local shards {self.local_shards} are not in [0, {self.shards})')
+    n = len(self.source)
+    self.local_batch = self.batch_size // self.shards
+    sizes = [len(shard_ids(n, s, self.shards, self.seed, self.drop_remainder))
+             for s in range(self.shards)]
+    self._loaders = [Loader(self.source, self.local_batch, self.seed, self.shuffle,
+                            self.drop_remainder,
+                            shard_ids(n, s, self.shards, self.seed, self.drop_remainder))
+                     for s in self.local_shards]
+    steps = (min(sizes) // self.local_batch if self.drop_remainder
+             else -(-max(sizes) // self.local_batch))
+    self._steps = min(steps, self.max_steps) if self.max_steps else steps
+
+  @property
+  def ids(self) -> np.ndarray:
+    """Every sample ID this process may read (its shards' IDs)."""
+    return np.concatenate([loader.ids for loader in self._loaders])
+
+  def steps_per_epoch(self) -> int:
+    return self._steps
+
+  def _shard_batches(self, loader: Loader, epoch: int, start_step: int):
+    """``(ids, real count)`` of a shard's batches, padded to the common steps."""
+    order = loader.order(epoch)
+    out = []
+    for step in range(start_step, self._steps):
+      ids = order[step * self.local_batch:(step + 1) * self.local_batch]
+      count = len(ids)
+      if count < self.local_batch:  # padding repeats real IDs (or the shard's first)
+        ids = np.resize(ids if count else order[:1], self.local_batch)
+      out.append((ids, count))
+    return out
+
+  def batch_ids(self, epoch: int, start_step: int = 0) -> list[np.ndarray]:
+    """This process's ``sample_ids [batch // processes]`` of every step."""
+    per_shard = [self._shard_batches(lo, epoch, start_step) for lo in self._loaders]
+    return [np.concatenate([ids for ids, _ in step]) for step in zip(*per_shard)]
+
+  def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[np.ndarray, Batch]]:
+    """Yields this process's ``(sample_ids, batch)`` of each step of ``epoch``."""
+    per_shard = [self._shard_batches(lo, epoch, start_step) for lo in self._loaders]
+    for step in zip(*per_shard):
+      ids = np.concatenate([i for i, _ in step])
+      self.served.update(ids.tolist())
+      batch = self.source[ids]
+      if not self.drop_remainder:
+        batch['example_mask'] = np.concatenate(
+            [(np.arange(self.local_batch) < count).astype(np.float32) for _, count in step])
+      yield ids, batch

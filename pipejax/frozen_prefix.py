@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autocache_policy, pipeline
+from pipejax import autocache_policy, distributed, pipeline
 from pipejax.autocache import ActivationCache
 
 Params = Any
@@ -171,10 +171,11 @@ class FrozenPrefix:
     ``[batch, seq, hidden]`` and the keys blocks and the head read, on the
     devices, split over ``'data'``."""
     data = self.data(plan)
-    rest = jax.device_put({k: batch[k] for k in self.feed_keys() if k in batch}, data)
+    rest = distributed.put_batch({k: batch[k] for k in self.feed_keys() if k in batch}, data)
 
     def compute(rows=None):
-      inputs = jax.device_put({k: batch[k] for k in self.model.input_keys}, self.spread(plan))
+      inputs = distributed.put_batch({k: batch[k] for k in self.model.input_keys},
+                                     self.spread(plan))
       hidden = self._prefix(plan)(frozen, inputs)
       return hidden if rows is None else np.asarray(hidden)[rows]
 
@@ -281,6 +282,12 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
   because the source is randomly augmented)."""
   c = config.cache
   if not c.enabled:
+    return None
+  if jax.process_count() > 1:
+    # Entries are host-local and fetched with host copies of whole global
+    # arrays; serving each host's own samples is not built yet.
+    log('AutoCache is off: it does not support several processes yet (the frozen prefix '
+        'is recomputed every step)')
     return None
   if not autocache_policy.caching_allowed(getattr(source, 'randomly_augmented', False),
                                           c.accept_reused_augmentation, log):

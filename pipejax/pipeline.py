@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel, unit_rng
+from pipejax import distributed
 from pipejax import schedule as schedule_lib
 from pipejax.partition import Partition, to_stage_params
 
@@ -79,8 +80,10 @@ class Plan:
 def make_mesh(pipeline_length: int, devices=None) -> Mesh:
   """The ``('data', 'stage')`` mesh of shape (N / K, K) over ``devices``.
 
-  Consecutive devices form one pipeline, so with several processes the stage
-  axis stays inside a host and the data axis spans hosts.
+  Consecutive devices form one pipeline, so with several processes (devices
+  ordered by :func:`pipejax.distributed.ordered_devices`) the stage axis stays
+  inside a host and the data axis spans hosts; a pipeline that would cross
+  hosts is refused.
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
@@ -88,6 +91,7 @@ def make_mesh(pipeline_length: int, devices=None) -> Mesh:
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     raise PlanError(f'pipeline length {pipeline_length} does not divide the {n} devices; '
                     f'use one of {divisors}')
+  distributed.check_pipeline_length(pipeline_length, devices)
   grid = np.array(devices, dtype=object).reshape(n // pipeline_length, pipeline_length)
   return Mesh(grid, (DATA, STAGE))
 

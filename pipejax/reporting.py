@@ -21,7 +21,7 @@ class MetricsLog:
 
   def append(self, row: dict[str, Any]) -> None:
     self.rows.append(row)
-    if jax.process_index() != 0:
+    if jax.process_index():  # several processes: process 0 writes the run's files
       return
     with open(self.path, 'a') as f:
       f.write(json.dumps(row) + '\n')
@@ -55,7 +55,7 @@ def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None)
   kept = [r for r in rows if r['epoch'] < epochs]
   if last_row is not None and not any(r['epoch'] == last_row['epoch'] for r in kept):
     kept.append(last_row)
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and kept != rows:  # nothing to drop: leave the file alone
     path = os.path.join(workdir, 'metrics.jsonl')
     with open(path + '.tmp', 'w') as f:
       f.writelines(json.dumps(r) + '\n' for r in kept)

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autodp, autopipe, executables, freeze, pipeline, reporting
+from pipejax import autodp, autopipe, distributed, executables, freeze, pipeline, reporting
 from pipejax import partition as part
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 from pipejax.data import Loader
@@ -429,7 +429,7 @@ class Trainer:
     """The pipeline's input on the devices: the batch, or the frozen prefix's
     output (computed or cached) with the keys blocks and the head read."""
     if plan.partition.has_embed:
-      return jax.device_put(batch, NamedSharding(self.mesh(plan), P(pipeline.DATA)))
+      return distributed.put_batch(batch, NamedSharding(self.mesh(plan), P(pipeline.DATA)))
     return self.prefix.feed(sample_ids, batch, plan, self.state['frozen'])
 
   def _state_spec(self) -> dict:
@@ -572,7 +572,7 @@ class Trainer:
     loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
     correct = count = 0.0
     for _, batch in loader.epoch(0):
-      metrics = self._eval(params, jax.device_put(batch, NamedSharding(flat, P('batch'))))
+      metrics = self._eval(params, distributed.put_batch(batch, NamedSharding(flat, P('batch'))))
       if 'correct' not in metrics:
         raise ValueError(f'{self.model.name} reports no accuracy (a regression head): give the '
                          f'Trainer an evaluator')

@@ -1,0 +1,273 @@
+"""Several processes (hosts) in one job: JAX's multi-controller runtime.
+
+Every process runs the same command; :func:`initialize` joins it to the job
+(``jax.distributed.initialize``, gloo collectives on the CPU) before any JAX
+computation. The job's devices are then ordered process by process
+(:func:`ordered_devices`), so that each row of the ``('data', 'stage')`` mesh,
+one replica's K stages, lies inside one process: the stage axis (activations
+every tick) stays on a host, only the data axis (a gradient mean per step)
+crosses hosts. A plan whose pipeline is longer than a process's devices is
+refused (:func:`check_pipeline_length`).
+
+Data: the global batch of every step is the concatenation, in shard order, of
+the local batches of ``data_shards`` disjoint shards of the sample IDs
+(:class:`pipejax.data.ShardedLoader`); each process reads only its own shards
+and hands its part to JAX with :func:`put_batch`. A single process can read
+all shards itself, which gives the same global batches, hence the same
+losses, as the multi-process job.
+
+Failure: when a process dies, JAX's coordination service notices (a closed
+connection at once, a silent host after ``heartbeat_timeout_seconds``) and
+aborts every other process from C++ with a stack trace. :func:`supervise` runs
+the training in a child process and turns that into one line naming the last
+checkpoint, so that relaunching the same command resumes the job.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+from typing import Callable, Sequence
+
+SUPERVISED_ENV = 'PIPEJAX_SUPERVISED'  # set in the child that trains
+# What the C++ runtime logs when a peer (or the coordinator) is gone.
+_PEER_LOST = re.compile(r'heartbeat timeout|detected fatal errors|Polled an error from coordination'
+                        r'|coordination service|Socket closed|Connection reset|Gloo')
+_ABSL_LINE = re.compile(r'^[EFW]\d{4} \d\d:\d\d:\d\d')
+
+
+class DistributedError(ValueError):
+  """A multi-process set-up that cannot work (bad flags, a pipeline longer
+  than a process's devices, ...)."""
+
+
+def is_multi_process(config) -> bool:
+  """Whether ``config.distributed`` asks to join a job of several processes."""
+  c = config.distributed
+  return bool(c.coordinator) and (c.coordinator == 'auto' or c.num_processes > 1)
+
+
+def check_config(config) -> None:
+  """Validates ``config.distributed`` (before anything starts)."""
+  c = config.distributed
+  if c.coordinator and c.coordinator != 'auto':
+    if not re.fullmatch(r'[^\s:]+:\d+', c.coordinator):
+      raise DistributedError(f"distributed.coordinator must be 'host:port' or 'auto', got "
+                             f'{c.coordinator!r}')
+    if c.num_processes < 1 or not 0 <= c.process_id < c.num_processes:
+      raise DistributedError(f'distributed.process_id={c.process_id} must be in [0, '
+                             f'num_processes={c.num_processes})')
+  if c.data_shards < 0:
+    raise DistributedError(f'distributed.data_shards must be >= 0, got {c.data_shards}')
+  if c.heartbeat_timeout_seconds < 1:
+    raise DistributedError(f'distributed.heartbeat_timeout_seconds must be >= 1, got '
+                           f'{c.heartbeat_timeout_seconds}')
+
+
+def initialize(config, log: Callable[[str], None] = print) -> None:
+  """Joins the job described by ``config.distributed`` (a no-op for a single
+  process). Must run before any JAX computation (before ``jax.devices()``).
+
+  ``coordinator='host:port'`` with ``num_processes`` and ``process_id`` names
+  the job explicitly (the same coordinator on every process, process 0
+  serves it); ``'auto'`` lets JAX detect the cluster (SLURM, Open MPI, TPU
+  pods, ...).
+  """
+  check_config(config)
+  if not is_multi_process(config):
+    return
+  import jax  # noqa: PLC0415 - callers set up the environment first
+  c = config.distributed
+  if (os.environ.get('JAX_PLATFORMS', '') or 'cpu').startswith('cpu'):
+    # CPU devices of different processes talk through gloo (TCP).
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  kwargs = {} if c.coordinator == 'auto' else dict(
+      coordinator_address=c.coordinator, num_processes=c.num_processes,
+      process_id=c.process_id)
+  jax.distributed.initialize(**kwargs, initialization_timeout=c.initialization_timeout_seconds,
+                             heartbeat_timeout_seconds=c.heartbeat_timeout_seconds,
+                             shutdown_timeout_seconds=c.heartbeat_timeout_seconds)
+  log(f'process {jax.process_index()} of {jax.process_count()} joined the job '
+      f'({jax.local_device_count()} local devices, {jax.device_count()} in all)')
+
+
+def ordered_devices(devices: Sequence | None = None) -> list:
+  """``devices`` (default: all) ordered by process, then by ID: consecutive
+  devices share a process, so every mesh row built from them stays in one."""
+  import jax  # noqa: PLC0415
+  devices = list(jax.devices() if devices is None else devices)
+  return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def check_pipeline_length(pipeline_length: int, devices: Sequence) -> None:
+  """Raises :class:`pipejax.pipeline.PlanError` unless every group of
+  ``pipeline_length`` consecutive ``devices`` (one replica's stages) lies in
+  one process."""
+  from pipejax.pipeline import PlanError  # noqa: PLC0415 - pipeline imports this module
+  per_process: dict[int, int] = {}
+  for d in devices:
+    per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+  if len(per_process) == 1:
+    return
+  local = min(per_process.values())
+  rows = [devices[i:i + pipeline_length] for i in range(0, len(devices), pipeline_length)]
+  if any(len({d.process_index for d in row}) > 1 for row in rows):
+    fitting = [k for k in range(1, local + 1) if all(n % k == 0 for n in per_process.values())]
+    raise PlanError(f'pipeline length {pipeline_length} does not fit in one process '
+                    f'({local} devices per process; the stage axis must stay inside a host); '
+                    f'use one of {fitting}')
+
+
+def put_batch(tree, sharding):
+  """Places a batch on ``sharding`` (split along axis 0).
+
+  With one process ``tree`` is the whole batch. With several it is this
+  process's part, and the global batch is the parts concatenated in process
+  order (``sharding``'s devices must be ordered by process, see
+  :func:`ordered_devices`).
+  """
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  count = jax.process_count()
+  if count == 1:
+    return jax.device_put(tree, sharding)
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(
+          sharding, np.asarray(x), (np.shape(x)[0] * count,) + np.shape(x)[1:]), tree)
+
+
+def is_main_process() -> bool:
+  """Whether this process writes the run's files (metrics, summary, plots)."""
+  import jax  # noqa: PLC0415
+  return jax.process_index() == 0
+
+
+# -- failure handling ------------------------------------------------------------------
+def _child_setup() -> None:
+  """In the child: its own process group (a terminal's Ctrl-C reaches only
+  the supervisor, which forwards it once), and SIGKILL when the supervisor
+  dies (Linux), so a killed host takes its training with it."""
+  os.setpgid(0, 0)
+  try:
+    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except OSError:
+    pass
+
+
+def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
+  """Runs ``argv`` (this very command) as a child and returns its exit code.
+
+  ``settings`` is the run's ``config.distributed``.
+
+  The child's output passes through, except the C++ runtime's crash report
+  when a peer is lost: from the first such line on, stderr is kept in
+  ``<checkpoint_dir>/../process_<id>.crash.log`` and replaced by one line
+  (exit code 3) naming the last checkpoint, or saying that the job could not
+  be joined. A child that stopped with its
+  own one-line error (bad input, exit code 2) keeps it, without the
+  runtime's report of its early exit.
+  """
+  env = dict(os.environ, **{SUPERVISED_ENV: '1'})
+  child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE,
+                           preexec_fn=_child_setup if sys.platform == 'linux' else None)
+
+  def forward(signum, _frame):
+    child.send_signal(signum)
+
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, forward)
+  swallowed: list[bytes] = []
+  lost = own_error = False
+  for line in iter(child.stderr.readline, b''):
+    text = line.decode(errors='replace')
+    own_error = own_error or (not lost and text.startswith('error: '))
+    lost = lost or bool(_ABSL_LINE.match(text) and _PEER_LOST.search(text))
+    if lost:
+      swallowed.append(line)
+    else:
+      sys.stderr.buffer.write(line)
+      sys.stderr.flush()
+  code = child.wait()
+  if own_error:  # the child said what went wrong; the runtime's exit report adds nothing
+    return code if code > 0 else 2
+  if code == 0 or not lost:
+    return code if code >= 0 else 128 - code
+  crash_log = None
+  auto = settings.coordinator == 'auto'  # the rank is JAX's guess, not known here
+  process_id = None if auto else settings.process_id
+  if checkpoint_dir:
+    name = f'process_{process_id}' if process_id is not None else f'pid_{os.getpid()}'
+    crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'{name}.crash.log')
+    os.makedirs(os.path.dirname(crash_log), exist_ok=True)
+    with open(crash_log, 'wb') as f:
+      f.writelines(swallowed)
+  who = f'process {process_id}' if process_id is not None else 'this process'
+  log = f' (runtime log: {crash_log})' if crash_log else ''
+  if any(b'RegisterTask' in line for line in swallowed):  # never joined
+    print(f'error: {who} could not join the job at {settings.coordinator} within '
+          f'{settings.initialization_timeout_seconds}s: start the same command on every host '
+          f'(process 0 serves the coordinator; check its address and port){log}',
+          file=sys.stderr, flush=True)
+    return 3
+  print(f'error: {who} stopped: another process of the job died or stopped '
+        f'responding (detected by the JAX coordination service, heartbeat timeout '
+        f'{settings.heartbeat_timeout_seconds}s); last checkpoint: '
+        f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every host to '
+        f'resume{log}', file=sys.stderr, flush=True)
+  return 3
+
+
+def exit_if_peer_lost(error: Exception) -> None:
+  """With several processes, a failed computation (a collective whose peer
+  is gone) ends this process in one line with exit code 3, without the exit
+  handlers (``jax.distributed.shutdown`` would wait for the lost peer)."""
+  import jax  # noqa: PLC0415
+  if jax.process_count() == 1:
+    return
+  detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+  print(f'error: process {jax.process_index()} stopped: a computation across processes failed '
+        f'({detail}); another process probably died; relaunch the same command on every host '
+        f'to resume from the last checkpoint', file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(3)  # noqa: SLF001 - see the docstring
+
+
+def _latest_checkpoint(checkpoint_dir: str | None) -> str:
+  """The newest finished orbax step directory (read from the file system: the
+  job's runtime is gone)."""
+  if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+    return 'none'
+  steps = [int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()]
+  return os.path.join(checkpoint_dir, str(max(steps))) if steps else 'none'
+
+
+def agreed_stop(stop_requested: Callable[[], bool] | None,
+                every: int = 10) -> Callable[[], bool] | None:
+  """``stop_requested`` made safe for several processes.
+
+  A checkpoint save is collective, so every process must decide to stop at
+  the same step. With several processes the returned poll combines the
+  local requests across processes (stop when any process was asked) at
+  every ``every``-th poll and answers False in between; every process polls
+  the same sequence (after each step and at each epoch's end), so they agree.
+  One process: ``stop_requested`` itself.
+  """
+  import jax  # noqa: PLC0415
+  if stop_requested is None or jax.process_count() == 1:
+    return stop_requested
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  polls = 0
+
+  def poll() -> bool:
+    nonlocal polls
+    polls += 1
+    if polls % every:
+      return False
+    local = np.array([1 if stop_requested() else 0], np.int32)
+    return bool(np.any(multihost_utils.process_allgather(local)))
+
+  return poll
