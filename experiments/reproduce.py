@@ -254,8 +254,10 @@ def breakdown(runner: Runner, workdir: str) -> dict:
               fontsize=7)
     ax.set_xticks(list(x), [n.replace('+', '+\n') for n in names], fontsize=7)
     ax.set_ylabel('speed-up over baseline')
+    ax.set_ylim(0, 1.25 * max([r['flop_limit_speedup'] for r in rows] +
+                              [r['speedup'] for r in rows]))
     ax.set_title('breakdown (labels: final accuracy)', fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc='upper left')
   _figure(workdir, 'breakdown', draw)
   return payload
 
