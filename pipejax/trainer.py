@@ -169,8 +169,7 @@ class Trainer:
     self._eval = None
     self._executables: dict[pipeline.Plan, Any] = {}
     self.executables = executables.ExecutableStore(
-        (executables.default_directory()  # one process: its executables are whole programs
-         if c.pipeline.store_executables and jax.process_count() == 1 else None),
+        executables.default_directory() if c.pipeline.store_executables else None,
         {'config': executables.program_config(c), 'model': model.name,
          'hf_config': model.hf_config.to_dict(),
          'devices': [(d.platform, d.id, d.process_index) for d in self.devices]}, log)
