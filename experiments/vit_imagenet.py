@@ -60,7 +60,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.micro_batches = 0  # 0: profile M in {K, ..., 6K} once per K
   c.pipeline.profile_path = '~/.cache/pipejax/micro_batches.json'
   c.pipeline.devices = 8  # fake CPU devices when running on the CPU
-  c.pipeline.store_executables = True  # keep compiled steps for later runs (pipejax/executables.py)
   c.pipeline.autodp = True  # False (ablation): R stays 1, devices freed by compression idle
   c.freeze = ml_collections.ConfigDict()
   c.freeze.policy = 'pipetransformer'  # or 'schedule', 'none'

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autodp, autopipe, distributed, executables, freeze, pipeline, reporting
+from pipejax import autodp, autopipe, distributed, freeze, pipeline, reporting
 from pipejax import partition as part
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 from pipejax.data import Loader
@@ -168,11 +168,6 @@ class Trainer:
     self._steps: dict[pipeline.Plan, Any] = {}
     self._eval = None
     self._executables: dict[pipeline.Plan, Any] = {}
-    self.executables = executables.ExecutableStore(
-        executables.default_directory() if c.pipeline.store_executables else None,
-        {'config': executables.program_config(c), 'model': model.name,
-         'hf_config': model.hf_config.to_dict(),
-         'devices': [(d.platform, d.id, d.process_index) for d in self.devices]}, log)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._ahead = None
     self._trials: dict[int, dict] = {}
@@ -415,16 +410,6 @@ class Trainer:
     self._steps[plan] = fn
     return fn
 
-  def _compile_step(self, plan: pipeline.Plan, feed, state_spec=None):
-    """The compiled train step of ``plan`` for ``feed`` (arrays or shapes)
-    and the current state (or ``state_spec``), from the executable store when
-    an earlier run compiled it."""
-    spec = _without_frozen(self._state_spec()) if state_spec is None else state_spec
-    feed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        feed)
-    return self.executables.compile(f'train step {plan.describe()}',
-                                    lambda: self._train_step(plan).lower(spec, feed), spec, feed)
-
   def _feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan) -> dict:
     """The pipeline's input on the devices: the batch, or the frozen prefix's
     output (computed or cached) with the keys blocks and the head read."""
@@ -503,15 +488,12 @@ class Trainer:
     for sample_ids, batch in loader.epoch(epoch, start_step):
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
-      feed = self._feed(sample_ids, batch, self.plan)
-      fn = self._executables.get(self.plan)
-      if fn is None:
-        fn = self._executables[self.plan] = self._compile_step(self.plan, feed)
+      fn = self._executables.get(self.plan) or self._train_step(self.plan)
       first = self._first_step_pending
       if timed or first:  # time this step alone, not the tail of the one before
         jax.block_until_ready(self.state)
       t0 = time.perf_counter()
-      self._run_step(fn, feed)
+      self._run_step(fn, self._feed(sample_ids, batch, self.plan))
       if timed or first:
         jax.block_until_ready(self.state['sums'])
         elapsed = time.perf_counter() - t0
@@ -606,7 +588,7 @@ class Trainer:
     prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],
                                          sample_batch, self.batch_size(plans[0]))
     feed = prefixes.pop('feed')
-    steps = {plan: self._compile_step(plan, feed, _without_frozen(new_shapes))
+    steps = {plan: self._train_step(plan).lower(_without_frozen(new_shapes), feed).compile()
              for plan in plans}
     self._portable_fn(plans[0]).lower(new_shapes).compile()  # warms the persistent cache
     return move, steps, prefixes, time.perf_counter() - start
