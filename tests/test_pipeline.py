@@ -214,8 +214,11 @@ def test_bad_inputs_name_the_value():
   with pytest.raises(pipeline.PlanError, match=r"batch lacks \['labels'\]"):
     step(stage_params, {'pixel_values': np.zeros((8, 8, 8, 3), np.float32)},
          jax.random.PRNGKey(0))
-  with pytest.raises(pipeline.PlanError, match='needs R x K = 2 x 2 = 4 devices'):
-    pipe.grad_fn(pipeline.Plan(partition, 2, 2), stage_params)
+  # A plan may use the first R x K devices (the AutoDP ablation), never more.
+  small = pipeline.Pipeline(model, devices=jax.devices()[:2])
+  with pytest.raises(pipeline.PlanError, match='needs R x K = 2 x 2 = 4 devices but only 2'):
+    small.grad_fn(pipeline.Plan(partition, 2, 2), stage_params)
+  assert pipe.mesh(pipeline.Plan(partition, 1, 2)).devices.size == 2
   with pytest.raises(part.PartitionError, match=r'covers 9 units but the model has 10'):
     part.Partition(4, 0, (4, 5))
   with pytest.raises(part.PartitionError, match='at least one unit'):
