@@ -283,12 +283,6 @@ def run(config, workdir: str | None, task: str,
   elif os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '
                       f'it; use --config.resume=False to start over, or another --workdir')
-  ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
-      config.checkpoint.enabled) else None
-  if ckpt is not None and config.resume:
-    latest = ckpt.latest_meta()
-    if latest is not None:  # refuse before building anything
-      resume.check_identity(latest[0], ident, latest[1])
   with config.unlocked():
     config.pipeline.profile_path = os.path.expanduser(config.pipeline.profile_path)
   largest = config.train.batch_size * (len(devices) if config.train.batch_mode == 'per_pipeline'
@@ -298,12 +292,10 @@ def run(config, workdir: str | None, task: str,
                       f'{len(data.train)} training samples; lower train.batch_size')
   train_loader, eval_loader = _loaders(config, data)
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
-  _log(f'{mode} run: {data.name}, {_describe(model)}, '
-       f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
-       f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
-  trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
-                    devices=devices, log=_log, evaluator=data.evaluator)
   meta_base = {'identity': ident, 'fingerprint': resume.fingerprint(ident), 'model': model.name}
+  # From here on the checkpoint manager (and its threads) is closed on every exit.
+  ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
+      config.checkpoint.enabled) else None
 
   def save(portable, meta, wait):
     if ckpt is None:
@@ -312,6 +304,15 @@ def run(config, workdir: str | None, task: str,
     return ckpt.path(meta['step'])
 
   try:
+    if ckpt is not None and config.resume:
+      latest = ckpt.latest_meta()
+      if latest is not None:  # refuse before building anything
+        resume.check_identity(latest[0], ident, latest[1])
+    _log(f'{mode} run: {data.name}, {_describe(model)}, '
+         f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
+         f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
+    trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
+                      devices=devices, log=_log, evaluator=data.evaluator)
     if config.resume:
       _resume(workdir, trainer, ckpt, ident)
     result = trainer.run(config.train.epochs, _progress, save=save,
