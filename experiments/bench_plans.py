@@ -39,13 +39,10 @@ from pipejax.trainer import Trainer  # noqa: E402
 
 def main(argv=None) -> int:
   # The main job's own config file and flags: the same keys, types and checks.
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv)
+  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
   config, workdir = parsed
-  if not workdir:
-    print('error: --workdir=DIR is required', file=sys.stderr)
-    return 2
   with config.unlocked():
     config.checkpoint.enabled = False
     config.cache.enabled = False

@@ -428,10 +428,11 @@ def main(config, workdir: str | None, task: str) -> int:
   return 0
 
 
-def parse_command_line(config_file: str, argv=None):
+def parse_command_line(config_file: str, argv=None, require_workdir: bool = False):
   """``--config`` (``config_file`` by default, with overrides) and
-  ``--workdir``; returns ``(config, workdir)``, or None after printing a
-  one-line error."""
+  ``--workdir`` (``require_workdir``: it must be given, as the benchmarks
+  need); returns ``(config, workdir)``, or None after printing a one-line
+  error."""
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
   try:
@@ -447,6 +448,9 @@ def parse_command_line(config_file: str, argv=None):
     return None
   if len(rest) > 1:
     print(f'error: unexpected arguments {rest[1:]}', file=sys.stderr)
+    return None
+  if require_workdir and not flags.FLAGS.workdir:
+    print('error: --workdir=DIR is required', file=sys.stderr)
     return None
   return flags.FLAGS.config, flags.FLAGS.workdir
 

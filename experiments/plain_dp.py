@@ -126,13 +126,10 @@ def run(config, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv)
+  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
   config, workdir = parsed
-  if not workdir:
-    print('error: --workdir=DIR is required', file=sys.stderr)
-    return 2
   try:
     run(config, workdir)
   except elastic.KNOWN_ERRORS as e:

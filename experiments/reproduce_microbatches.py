@@ -51,14 +51,10 @@ def pipeline_lengths(trainer: Trainer, config, num_layers: int) -> dict:
 
 
 def main(argv=None) -> int:
-  import argparse  # noqa: PLC0415
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--workdir', required=True)
-  args, passthrough = parser.parse_known_args(argv)
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, [sys.argv[0], *passthrough])
+  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
-  sweep(parsed[0], args.workdir)
+  sweep(*parsed)
   return 0
 
 
