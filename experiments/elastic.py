@@ -222,7 +222,7 @@ def _start_over(workdir: str) -> None:
     removed.append('checkpoints/')
   if not removed or jax.process_index() != 0:
     return
-  for name in removed[:3]:
+  for name in removed:
     if name != 'checkpoints/':
       os.remove(os.path.join(workdir, name))
   checkpoints.clear(workdir)

@@ -76,7 +76,6 @@ class Runner:
     self.workdir, self.passthrough, self.compile_cache = workdir, passthrough, compile_cache
     self.variants = variants  # those the breakdown runs
     self.results: dict[tuple, dict] = {}
-    self.warmup_seconds: dict[str, float] = {}
 
   def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float]:
     workdir = os.path.join(self.workdir, 'runs', name)
@@ -106,7 +105,7 @@ class Runner:
   def _execute(self, name: str, module: str, args: list[str]) -> dict:
     if self.compile_cache == 'warm':
       print(f'  {name}: warm-up run (not reported) ...', flush=True)
-      _, self.warmup_seconds[name] = self._process(f'warmup-{name}', module, args)
+      self._process(f'warmup-{name}', module, args)
     print(f'  {name} ...', flush=True)
     workdir, seconds = self._process(name, module, args)
     with open(os.path.join(workdir, 'summary.json')) as f:

@@ -666,8 +666,7 @@ class Trainer:
              f'cache {cache_s:.2f}s, compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')
     return time.perf_counter() - start
 
-  def run(self, epochs: int, progress_factory,
-          on_epoch: Callable[[int, dict, dict], None] | None = None, *,
+  def run(self, epochs: int, progress_factory, *,
           save: Callable[[dict, dict, bool], str | None] | None = None,
           stop_requested: Callable[[], bool] | None = None, save_every_steps: int = 0) -> dict:
     """Trains up to epoch ``epochs`` (from the start, or from where
@@ -677,7 +676,6 @@ class Trainer:
     Args:
       epochs: the epoch count of the whole run.
       progress_factory: ``(epoch, steps) -> context manager`` giving a tqdm-like bar.
-      on_epoch: ``(epoch, row, portable_state)`` after each epoch.
       save: ``(portable_state, meta, wait) -> checkpoint path`` (see
         :meth:`checkpoint_meta`; ``meta['row']`` is the epoch's row at an epoch
         end); called at each epoch end, every ``save_every_steps`` batches
@@ -703,7 +701,7 @@ class Trainer:
         raise TrainingInterrupted(epoch, int(self.state['step']), path)
 
     try:
-      self._run_epochs(epochs, progress_factory, on_epoch, metrics_log, by_steps, sample_batch,
+      self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
     finally:
       self._pool.shutdown(wait=False, cancel_futures=True)
@@ -711,7 +709,7 @@ class Trainer:
         self.prefix.cache.close()
     return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - self._run_start}
 
-  def _run_epochs(self, epochs, progress_factory, on_epoch, metrics_log, by_steps, sample_batch,
+  def _run_epochs(self, epochs, progress_factory, metrics_log, by_steps, sample_batch,
                   save, stop_requested, after_step) -> None:
     start_epoch, start_step, pending = self._start
     transition_seconds = 0.0
@@ -741,8 +739,6 @@ class Trainer:
              'step': int(self.state['step']), 'stage_sizes': list(plan.partition.stage_sizes)}
       row.update(self.prefix.stats())
       t0 = time.perf_counter()
-      if on_epoch is not None:
-        on_epoch(epoch, row, portable)
       path = None
       if save is not None:
         path = save(portable, {**self.checkpoint_meta(epoch, stats['steps'] + (
