@@ -146,7 +146,8 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
       label_keys={'classification': ('labels',),
                   'question_answering': ('start_positions', 'end_positions'),
                   'encoder': ()}[head],
-      block_keys=('attention_mask',), embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
-      logits_fn=logits_fn, loss_fn=loss_fn,
+      block_keys=('attention_mask',), embed_fn=layered.unit(embed_fn, 3),
+      attention_fn=layered.unit(attention_fn, 4), mlp_fn=layered.unit(mlp_fn, 4),
+      logits_fn=layered.unit(logits_fn, 4), loss_fn=layered.unit(loss_fn, 4),
       hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)
 

@@ -133,6 +133,18 @@ class LayeredModel:
     return self.loss_fn(params['head'], hidden, batch, unit_rng(rng, self.num_units - 1), train)
 
 
+def unit(fn: Callable, train_argnum: int) -> Callable:
+  """``fn`` as its own jitted function (``train`` static).
+
+  Every program that calls a unit (a pipelined step of any plan, the frozen
+  prefix, the cache advance, evaluation) then reuses one trace of it per input
+  shape instead of tracing the HF Flax modules again, and lowers it once per
+  program however many slots call it. XLA inlines the call: the compiled
+  arithmetic is the same.
+  """
+  return jax.jit(fn, static_argnums=(train_argnum,))
+
+
 def unit_rng(rng: jax.Array | None, unit: int) -> jax.Array | None:
   """The dropout key of one unit: the same wherever the unit runs."""
   return None if rng is None else jax.random.fold_in(rng, unit)

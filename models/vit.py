@@ -89,6 +89,7 @@ def build(config: ViTConfig) -> layered.LayeredModel:
   return layered.LayeredModel(
       name='vit', hf_config=config, num_layers=config.num_hidden_layers,
       input_keys=('pixel_values',), label_keys=('labels',),
-      block_keys=(), embed_fn=embed_fn, attention_fn=attention_fn, mlp_fn=mlp_fn,
-      logits_fn=logits_fn, loss_fn=loss_fn,
+      block_keys=(), embed_fn=layered.unit(embed_fn, 3),
+      attention_fn=layered.unit(attention_fn, 4), mlp_fn=layered.unit(mlp_fn, 4),
+      logits_fn=layered.unit(logits_fn, 4), loss_fn=layered.unit(loss_fn, 4),
       hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)
