@@ -332,6 +332,15 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   cache.close()
 
 
+def test_counters_stay_readable_after_close(tmp_path):
+  # A run's summary reads them after the trainer closed the cache.
+  fake = FakePrefix(12)
+  cache, _ = _disk_cache(tmp_path, fake)
+  before = cache.stats()
+  cache.close()
+  assert cache.stats() == before and before['disk_file_bytes'] > 0
+
+
 def test_same_run_reopens_its_entries_and_drops_deeper_ones(tmp_path):
   fake = FakePrefix(12)
   cache, ids = _disk_cache(tmp_path, fake)
