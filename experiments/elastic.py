@@ -423,7 +423,9 @@ def main(config, workdir: str | None, task: str) -> int:
       print('aborted (nothing saved after the last checkpoint)', file=sys.stderr)
       return resume.EXIT_ABORTED
     except jax.errors.JaxRuntimeError as e:
-      distributed.exit_if_peer_lost(e)  # several processes: one line, no hang at exit
+      # Several processes: one line, no hang at exit.
+      distributed.exit_if_peer_lost(
+          e, os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None)
       raise
   return 0
 

@@ -220,17 +220,19 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   return 3
 
 
-def exit_if_peer_lost(error: Exception) -> None:
+def exit_if_peer_lost(error: Exception, checkpoint_dir: str | None = None) -> None:
   """With several processes, a failed computation (a collective whose peer
-  is gone) ends this process in one line with exit code 3, without the exit
-  handlers (``jax.distributed.shutdown`` would wait for the lost peer)."""
+  is gone) ends this process in one line naming the newest checkpoint in
+  ``checkpoint_dir``, with exit code 3, without the exit handlers
+  (``jax.distributed.shutdown`` would wait for the lost peer)."""
   import jax  # noqa: PLC0415
   if jax.process_count() == 1:
     return
   detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
   print(f'error: process {jax.process_index()} stopped: a computation across processes failed '
-        f'({detail}); another process probably died; relaunch the same command on every host '
-        f'to resume from the last checkpoint', file=sys.stderr, flush=True)
+        f'({detail}); another process probably died; last checkpoint: '
+        f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every host to '
+        f'resume', file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(3)  # noqa: SLF001 - see the docstring
 
