@@ -139,6 +139,28 @@ def put_batch(tree, sharding):
           sharding, np.asarray(x), (np.shape(x)[0] * count,) + np.shape(x)[1:]), tree)
 
 
+def gather_exact(values) -> "np.ndarray":
+  """Every process's ``values [n]`` (float64), stacked in process order as
+  ``[processes, n]``, bit for bit; one process: ``values[None]``.
+
+  Collective with several processes: every process must call it at the same
+  point of the run (like a train step). ``process_allgather`` goes through JAX
+  arrays, 32-bit unless ``jax_enable_x64``; the values travel as their bytes so
+  that large counters and timings arrive unrounded, and every process combines
+  the very same numbers (the same decision everywhere).
+  """
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  values = np.ascontiguousarray(np.asarray(values, np.float64).reshape(-1))
+  count = jax.process_count()
+  if count == 1:
+    return values[None]
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  raw = np.frombuffer(values.tobytes(), np.uint8).astype(np.int32)
+  gathered = np.asarray(multihost_utils.process_allgather(raw)).astype(np.uint8)
+  return np.frombuffer(gathered.tobytes(), np.float64).reshape(count, len(values))
+
+
 def is_main_process() -> bool:
   """Whether this process writes the run's files (metrics, summary, plots)."""
   import jax  # noqa: PLC0415
