@@ -326,7 +326,7 @@ def run(config, workdir: str | None, task: str,
     if ckpt is not None:
       ckpt.close()
   if isinstance(train_loader, ShardedLoader):
-    _write_served_ids(workdir, train_loader, eval_loader)
+    _write_served_ids(workdir, train_loader, eval_loader, trainer.prefix.local_stats())
   rows = result['rows']
   summary = {
       'mode': mode, 'task': task, 'data': data.name, 'config': config.to_dict(),
@@ -380,14 +380,18 @@ def _loaders(config, data):
                         drop_remainder=False, max_steps=cap))
 
 
-def _write_served_ids(workdir: str, train_loader: ShardedLoader, eval_loader: ShardedLoader):
-  """``sample_ids/process_<i>.json``: the shards this process read and every
-  sample ID it served (multi-host runs check that hosts read disjoint data)."""
+def _write_served_ids(workdir: str, train_loader: ShardedLoader, eval_loader: ShardedLoader,
+                      cache: dict):
+  """``sample_ids/process_<i>.json``: the shards this process read, every
+  sample ID it served and its own AutoCache (``cache``: its counters and the
+  IDs it holds, see :meth:`pipejax.frozen_prefix.FrozenPrefix.local_stats`);
+  multi-host runs check that hosts read and cache disjoint data."""
   directory = os.path.join(workdir, 'sample_ids')
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, f'process_{jax.process_index()}.json'), 'w') as f:
     json.dump({'process': jax.process_index(), 'shards': list(train_loader.local_shards),
-               'train': sorted(train_loader.served), 'eval': sorted(eval_loader.served)}, f)
+               'train': sorted(train_loader.served), 'eval': sorted(eval_loader.served),
+               'cache': cache}, f)
 
 
 def _describe(model) -> str:
@@ -423,7 +427,9 @@ def main(config, workdir: str | None, task: str) -> int:
       print('aborted (nothing saved after the last checkpoint)', file=sys.stderr)
       return resume.EXIT_ABORTED
     except jax.errors.JaxRuntimeError as e:
-      distributed.exit_if_peer_lost(e)  # several processes: one line, no hang at exit
+      # Several processes: one line, no hang at exit.
+      distributed.exit_if_peer_lost(
+          e, os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None)
       raise
   return 0
 

@@ -50,6 +50,10 @@ data-parallel functions; they are called with at most the batch size (or the
 if they need a fixed shape; padded rows are not counted.
 
 Whether to cache at all is the profiler's call (:mod:`pipejax.autocache_policy`).
+
+Several hosts (paper App. D.1): each host has its own cache, given the IDs of
+the samples it reads (``own_ids``, fixed for the run); it refuses any other ID,
+so a host never holds another host's samples.
 """
 from __future__ import annotations
 
@@ -95,13 +99,18 @@ class ActivationCache:
     on_mismatch: ``'refuse'`` or ``'clear'`` a directory of another identity.
     depth: the current number of frozen blocks.
     log: one-line messages (decisions, corruption, clearing).
+    own_ids: the sample IDs this host may cache (its data shards, paper App.
+      D.1), or None for all: another ID given to :meth:`fetch` or
+      :meth:`prefetch` is refused (ValueError), and records of other IDs found
+      in the directory are dropped. Each host of a multi-host run owns a
+      fixed subset of the samples and caches only that.
   """
 
   def __init__(self, *, identity: str, num_samples: int, entry_shape: Sequence[int],
                dtype: str = 'float32', memory_bytes: int, disk_bytes: int = 0,
                directory: str | None = None, prefetch_bytes: int | None = None,
                on_mismatch: str = 'refuse', depth: int = 0,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, own_ids: np.ndarray | None = None):
     self.dtype = storage_dtype(dtype)
     self.entry_shape = tuple(int(d) for d in entry_shape)
     self.entry_bytes = int(np.prod(self.entry_shape)) * self.dtype.itemsize
@@ -119,6 +128,10 @@ class ActivationCache:
     self.prefetch_bytes = prefetch_bytes
     self._resident_limit = memory_bytes - prefetch_bytes
     n = self.num_samples
+    self._owned = None
+    if own_ids is not None:
+      self._owned = np.zeros(n, bool)
+      self._owned[self._check_ids(own_ids)] = True
     self._tier = np.zeros(n, np.int8)
     self._depth = np.full(n, -1, np.int32)
     self._slot = np.full(n, -1, np.int64)
@@ -154,6 +167,8 @@ class ActivationCache:
     """Takes over the valid-looking records a run of this identity left."""
     slots, ids, depths = self._disk.scan()
     usable = (ids >= 0) & (ids < self.num_samples) & (depths >= 0) & (depths <= self.depth)
+    if self._owned is not None:
+      usable[usable] = self._owned[ids[usable]]
     # Per ID keep the deepest usable record; the others are dropped.
     order = np.lexsort((-depths, ids))
     taken = np.zeros(self.num_samples, bool)
@@ -194,6 +209,10 @@ class ActivationCache:
     """``[n]`` int32: each ID's entry depth (-1: not cached)."""
     return self._depth[self._check_ids(sample_ids)].copy()
 
+  def cached_ids(self) -> np.ndarray:
+    """The sorted IDs that have an entry (at any depth)."""
+    return np.nonzero(self._tier != NONE)[0]
+
   def layer_passes_per_sample(self) -> np.ndarray:
     """``[num_samples]``: frozen-block passes the cache asked for, per sample."""
     return self._passes.copy()
@@ -221,6 +240,14 @@ class ActivationCache:
     if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
       raise ValueError(f'sample IDs must be in [0, {self.num_samples}), got '
                        f'[{ids.min()}, {ids.max()}]')
+    return ids
+
+  def _check_own(self, ids: np.ndarray) -> np.ndarray:
+    """``ids`` if this host owns them all (see ``own_ids``), else ValueError."""
+    if self._owned is not None and len(ids) and not self._owned[ids].all():
+      foreign = np.unique(ids[~self._owned[ids]])
+      raise ValueError(f'sample IDs {foreign[:8].tolist()}{"…" if len(foreign) > 8 else ""} '
+                       f'are not among the IDs this cache may hold (another host\'s samples)')
     return ids
 
   def _note_memory(self) -> None:
@@ -340,7 +367,7 @@ class ActivationCache:
     Returns:
       ``[batch, *entry_shape]`` float32.
     """
-    ids = self._check_ids(sample_ids)
+    ids = self._check_own(self._check_ids(sample_ids))
     self._follow_plan(ids)
     unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
     values, depths = self._load(unique)
@@ -457,10 +484,11 @@ class ActivationCache:
     ``prefetch_bytes``. A fetch of the next planned batch consumes it; the
     staged entries of batches passed over are released."""
     self.stop_prefetch()
+    batches = [self._check_own(self._check_ids(b)) for b in batches]
     if self._disk is None or self.prefetch_bytes < self.entry_bytes:
       return
     with self._lock:
-      self._plan = [self._check_ids(b) for b in batches]
+      self._plan = batches
       self._plan_index = {}
       for i, batch in enumerate(self._plan):
         if len(batch):

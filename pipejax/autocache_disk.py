@@ -149,8 +149,9 @@ class DiskTier:
 
   @property
   def file_bytes(self) -> int:
-    """Apparent size of ``entries.bin`` (≤ ``slots · record_bytes``)."""
-    return os.fstat(self.fd).st_size
+    """Apparent size of ``entries.bin`` (≤ ``slots · record_bytes``), also
+    after :meth:`close` (a run's summary reads the counters after training)."""
+    return os.fstat(self.fd).st_size if self.fd >= 0 else os.path.getsize(self.path)
 
   # -- records -------------------------------------------------------------------
   def encode(self, sample_ids: np.ndarray, depths: np.ndarray,

@@ -139,6 +139,28 @@ def put_batch(tree, sharding):
           sharding, np.asarray(x), (np.shape(x)[0] * count,) + np.shape(x)[1:]), tree)
 
 
+def gather_exact(values) -> "np.ndarray":
+  """Every process's ``values [n]`` (float64), stacked in process order as
+  ``[processes, n]``, bit for bit; one process: ``values[None]``.
+
+  Collective with several processes: every process must call it at the same
+  point of the run (like a train step). ``process_allgather`` goes through JAX
+  arrays, 32-bit unless ``jax_enable_x64``; the values travel as their bytes so
+  that large counters and timings arrive unrounded, and every process combines
+  the very same numbers (the same decision everywhere).
+  """
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  values = np.ascontiguousarray(np.asarray(values, np.float64).reshape(-1))
+  count = jax.process_count()
+  if count == 1:
+    return values[None]
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  raw = np.frombuffer(values.tobytes(), np.uint8).astype(np.int32)
+  gathered = np.asarray(multihost_utils.process_allgather(raw)).astype(np.uint8)
+  return np.frombuffer(gathered.tobytes(), np.float64).reshape(count, len(values))
+
+
 def is_main_process() -> bool:
   """Whether this process writes the run's files (metrics, summary, plots)."""
   import jax  # noqa: PLC0415
@@ -220,17 +242,19 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   return 3
 
 
-def exit_if_peer_lost(error: Exception) -> None:
+def exit_if_peer_lost(error: Exception, checkpoint_dir: str | None = None) -> None:
   """With several processes, a failed computation (a collective whose peer
-  is gone) ends this process in one line with exit code 3, without the exit
-  handlers (``jax.distributed.shutdown`` would wait for the lost peer)."""
+  is gone) ends this process in one line naming the newest checkpoint in
+  ``checkpoint_dir``, with exit code 3, without the exit handlers
+  (``jax.distributed.shutdown`` would wait for the lost peer)."""
   import jax  # noqa: PLC0415
   if jax.process_count() == 1:
     return
   detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
   print(f'error: process {jax.process_index()} stopped: a computation across processes failed '
-        f'({detail}); another process probably died; relaunch the same command on every host '
-        f'to resume from the last checkpoint', file=sys.stderr, flush=True)
+        f'({detail}); another process probably died; last checkpoint: '
+        f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every host to '
+        f'resume', file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(3)  # noqa: SLF001 - see the docstring
 

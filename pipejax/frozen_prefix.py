@@ -17,6 +17,18 @@ Whether the cache serves a depth is measured, not assumed: at every depth
 change the prefix's forward over one batch is timed against a cache read and
 write of the same batch (:mod:`pipejax.autocache_policy`), and the decision is
 logged with its inputs. ``policy='always'`` caches from the first frozen layer.
+
+Several processes (hosts, paper App. D.1): each process's cache holds only the
+samples of its own data shards, which stay on that process for the whole run
+(:class:`pipejax.data.ShardedLoader`), so entries are reused every epoch. How
+many entries a process must compute or advance depends on its own cache, so
+that work runs on the process's own devices only — the prefix is forward-only
+and per sample, it needs no collective — with as many calls as the process
+needs: no program that spans processes ever depends on host-local state. The
+cached output of the local batch joins the global batch like any input
+(:func:`pipejax.distributed.put_batch`). What must agree does so through a
+combine every process runs at the same point: the caching decision (each
+timing is the slowest process's) and the counters in the metrics (summed).
 """
 from __future__ import annotations
 
@@ -29,7 +41,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
 from pipejax import autocache_policy, distributed, pipeline
@@ -62,10 +74,12 @@ class FrozenPrefix:
     self.cache, self.policy, self.log = cache, policy, log
     self.use_cache = False
     self._batch_size = 0  # the global batch, set at each depth change
+    self.processes = jax.process_count()
     self.decisions: list[autocache_policy.CachingDecision] = []
-    self._prefixes: dict[tuple[int, int], Any] = {}
-    self._advances: dict[tuple[int, int, int], Any] = {}
+    self._prefixes: dict[tuple, Any] = {}
+    self._advances: dict[tuple, Any] = {}
     self._compiled: dict[tuple, Any] = {}
+    self._local_params: tuple | None = None  # (frozen, devices, a copy on this process's)
 
   # -- compiled functions --------------------------------------------------------
   def mesh(self, plan: pipeline.Plan):
@@ -79,6 +93,44 @@ class FrozenPrefix:
     """Split over ``'data'``: what the pipeline reads."""
     return NamedSharding(self.mesh(plan), P(pipeline.DATA))
 
+  def local_mesh(self, plan: pipeline.Plan) -> Mesh:
+    """This process's devices of ``plan`` as one ``'batch'`` axis: where the
+    cache's misses and advances run with several processes."""
+    mine = [d for d in self.devices[:plan.num_devices]
+            if d.process_index == jax.process_index()]
+    return Mesh(np.array(mine), ('batch',))
+
+  def _layout(self, plan: pipeline.Plan, local: bool):
+    """``(parameters, input, output)`` shardings of the prefix: over the job's
+    devices (input over all, output over ``'data'``), or ``local``ly over this
+    process's devices (both split over ``'batch'``)."""
+    if not local:
+      return NamedSharding(self.mesh(plan), P()), self.spread(plan), self.data(plan)
+    mesh = self.local_mesh(plan)
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P('batch')), NamedSharding(
+        mesh, P('batch'))
+
+  @property
+  def local_batch_size(self) -> int:
+    """The samples of a global batch that this process reads."""
+    return self._batch_size // self.processes
+
+  def _params_here(self, plan: pipeline.Plan, frozen: Params) -> Params:
+    """``frozen`` (replicated over the job's devices) as a copy on this
+    process's devices, for the local functions; kept while ``frozen`` is the
+    same tree (it changes only at a freeze event)."""
+    held = self._local_params
+    if held is None or held[0] is not frozen or held[1] != plan.num_devices:
+      replicated = self._layout(plan, local=True)[0]
+
+      def copy(x):
+        if not x.sharding.is_fully_replicated:
+          raise ValueError(f'frozen parameters must be replicated, got {x.sharding}')
+        return jax.device_put(x.addressable_data(0), replicated)
+
+      self._local_params = (frozen, plan.num_devices, jax.tree.map(copy, frozen))
+    return self._local_params[2]
+
   def feed_keys(self) -> tuple[str, ...]:
     """What the pipeline reads besides ``'hidden'``."""
     return tuple(dict.fromkeys(self.model.block_keys + self.model.label_keys +
@@ -88,27 +140,29 @@ class FrozenPrefix:
   def key(plan: pipeline.Plan) -> tuple[int, int]:
     return plan.partition.num_frozen_layers, plan.pipeline_length
 
-  def prefix_fn(self, plan: pipeline.Plan):
+  def prefix_fn(self, plan: pipeline.Plan, local: bool = False):
     """Jitted ``(frozen, inputs) -> hidden [batch, seq, hidden]``: embed and
     the first F blocks, forward only; input split over all devices, output
-    over ``'data'``. Cached per (F, K)."""
-    key = self.key(plan)
+    over ``'data'`` (``local``: this process's batch on its own devices, see
+    :meth:`_layout`). Cached per (F, K, local)."""
+    key = self.key(plan) + (local,)
     if key not in self._prefixes:
       depth = plan.partition.num_frozen_layers
 
       def prefix(frozen, inputs):
         return jax.lax.stop_gradient(self.model.hidden_states(frozen, inputs, upto_layer=depth))
 
-      self._prefixes[key] = jax.jit(
-          prefix, in_shardings=(NamedSharding(self.mesh(plan), P()), self.spread(plan)),
-          out_shardings=self.data(plan))
+      params, inputs, outputs = self._layout(plan, local)
+      self._prefixes[key] = jax.jit(prefix, in_shardings=(params, inputs),
+                                    out_shardings=outputs)
     return self._prefixes[key]
 
-  def advance_fn(self, plan: pipeline.Plan, from_depth: int):
+  def advance_fn(self, plan: pipeline.Plan, from_depth: int, local: bool = False):
     """Jitted ``(frozen, hidden, extra) -> hidden``: blocks
-    ``from_depth..F−1`` forward only, split over all devices (``extra``
-    holds the keys blocks read). Cached per (from, F, K)."""
-    key = (from_depth,) + self.key(plan)
+    ``from_depth..F−1`` forward only, split over all devices (``local``: this
+    process's devices; ``extra`` holds the keys blocks read). Cached per
+    (from, F, K, local)."""
+    key = (from_depth,) + self.key(plan) + (local,)
     if key not in self._advances:
       to_depth = plan.partition.num_frozen_layers
 
@@ -117,10 +171,9 @@ class FrozenPrefix:
           hidden = self.model.sublayer(frozen, unit, hidden, extra)
         return jax.lax.stop_gradient(hidden)
 
-      spread = self.spread(plan)
-      self._advances[key] = jax.jit(
-          advance, in_shardings=(NamedSharding(self.mesh(plan), P()), spread, spread),
-          out_shardings=spread)
+      params, spread, _ = self._layout(plan, local)
+      self._advances[key] = jax.jit(advance, in_shardings=(params, spread, spread),
+                                    out_shardings=spread)
     return self._advances[key]
 
   def abstract_inputs(self, plan: pipeline.Plan, sample_batch: dict, batch_size: int):
@@ -135,34 +188,47 @@ class FrozenPrefix:
   def compile_ahead(self, plan: pipeline.Plan, from_depth: int, frozen_shapes,
                     sample_batch: dict, batch_size: int) -> dict:
     """Compiles the prefix of ``plan`` (and the cache's advance from
-    ``from_depth``); returns ``(kind, key) -> executable`` for :meth:`adopt`
-    and the feed's shapes under ``'feed'``."""
+    ``from_depth``; with several processes also the prefix and the advance on
+    this process's devices, which serve its cache); returns ``(kind, key) ->
+    executable`` for :meth:`adopt` and the feed's shapes under ``'feed'``."""
     inputs, rest = self.abstract_inputs(plan, sample_batch, batch_size)
     prefix = self.prefix_fn(plan).lower(frozen_shapes, inputs)
-    out = {('prefix', self.key(plan)): prefix.compile()}
+    out = {('prefix', self.key(plan) + (False,)): prefix.compile()}
     hidden = prefix.out_info
     out['feed'] = {'hidden': jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                                   sharding=self.data(plan)), **rest}
-    if self.cache is not None and 0 < from_depth < plan.partition.num_frozen_layers:
-      spread = self.spread(plan)
+    if self.cache is None:
+      return out
+    local = self.processes > 1
+    if local:  # the cache's misses and advances run on this process's devices
+      frozen_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                                   frozen_shapes)
+      batch_size //= self.processes
+      inputs = {k: jax.ShapeDtypeStruct((batch_size,) + v.shape[1:], v.dtype)
+                for k, v in inputs.items()}
+      out[('prefix', self.key(plan) + (True,))] = self.prefix_fn(plan, local=True).lower(
+          frozen_shapes, inputs).compile()
+    if 0 < from_depth < plan.partition.num_frozen_layers:
+      spread = self._layout(plan, local)[1]
       chunk = ADVANCE_BATCHES * batch_size
       h = jax.ShapeDtypeStruct((chunk,) + hidden.shape[1:], hidden.dtype, sharding=spread)
       extra = {k: jax.ShapeDtypeStruct((chunk,) + v.shape[1:], v.dtype, sharding=spread)
                for k, v in inputs.items() if k in self.model.block_keys}
-      out[('advance', (from_depth,) + self.key(plan))] = self.advance_fn(
-          plan, from_depth).lower(frozen_shapes, h, extra).compile()
+      out[('advance', (from_depth,) + self.key(plan) + (local,))] = self.advance_fn(
+          plan, from_depth, local).lower(frozen_shapes, h, extra).compile()
     return out
 
   def adopt(self, compiled: dict) -> None:
     """Takes executables from :meth:`compile_ahead`."""
     self._compiled.update({k: v for k, v in compiled.items() if k != 'feed'})
 
-  def _prefix(self, plan):
-    return self._compiled.get(('prefix', self.key(plan))) or self.prefix_fn(plan)
+  def _prefix(self, plan, local: bool = False):
+    return (self._compiled.get(('prefix', self.key(plan) + (local,))) or
+            self.prefix_fn(plan, local))
 
-  def _advance(self, plan, from_depth):
-    return (self._compiled.get(('advance', (from_depth,) + self.key(plan))) or
-            self.advance_fn(plan, from_depth))
+  def _advance(self, plan, from_depth, local: bool = False):
+    return (self._compiled.get(('advance', (from_depth,) + self.key(plan) + (local,))) or
+            self.advance_fn(plan, from_depth, local))
 
   # -- per step ----------------------------------------------------------------------
   def feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan, frozen: Params
@@ -179,18 +245,29 @@ class FrozenPrefix:
       hidden = self._prefix(plan)(frozen, inputs)
       return hidden if rows is None else np.asarray(hidden)[rows]
 
+    def compute_here(rows):  # several processes: this process's batch, on its devices
+      return self._forward_here(plan, frozen, batch)[rows]
+
     if not self.use_cache:
       return {'hidden': compute(), **rest}
-    hidden = self.cache.fetch(sample_ids, compute,
+    hidden = self.cache.fetch(sample_ids, compute if self.processes == 1 else compute_here,
                               lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h, d0))
-    return {'hidden': jax.device_put(hidden, data), **rest}
+    return {'hidden': distributed.put_batch(hidden, data), **rest}
+
+  def _forward_here(self, plan, frozen, batch: dict) -> np.ndarray:
+    """The prefix's output ``[local batch, seq, hidden]`` of this process's
+    ``batch``, computed on its own devices (several processes)."""
+    inputs = jax.device_put({k: batch[k] for k in self.model.input_keys},
+                            self._layout(plan, local=True)[1])
+    return np.asarray(self._prefix(plan, local=True)(self._params_here(plan, frozen), inputs))
 
   def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray,
                     from_depth: int) -> np.ndarray:
     """Cached entries ``hidden [m, seq, hidden]`` pushed from ``from_depth`` to
     the plan's depth (padded to ``ADVANCE_BATCHES`` batches, the compiled
-    shape)."""
-    size = ADVANCE_BATCHES * self._batch_size
+    shape; with several processes on this process's devices, batches of its
+    own samples)."""
+    size = ADVANCE_BATCHES * self.local_batch_size
     m = len(ids)
     pad = np.concatenate([np.arange(m), np.zeros(size - m, np.int64)]) if m < size else None
     rows = (lambda a: a[pad]) if pad is not None else (lambda a: a)
@@ -198,9 +275,12 @@ class FrozenPrefix:
     if self.model.block_keys:
       looked_up = self.source[np.asarray(ids)]
       extra = {k: rows(np.asarray(looked_up[k])) for k in self.model.block_keys}
-    spread = self.spread(plan)
-    out = self._advance(plan, from_depth)(frozen, jax.device_put(rows(hidden), spread),
-                                          jax.device_put(extra, spread))
+    local = self.processes > 1
+    if local:
+      frozen = self._params_here(plan, frozen)
+    spread = self._layout(plan, local)[1]
+    out = self._advance(plan, from_depth, local)(frozen, jax.device_put(rows(hidden), spread),
+                                                 jax.device_put(extra, spread))
     return np.asarray(out)[:m]
 
   # -- freeze events -----------------------------------------------------------------
@@ -217,30 +297,47 @@ class FrozenPrefix:
     stats = self.cache.stats()
     filled = self.use_cache and stats['memory_entries'] + stats['disk_entries'] > 0
     self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
-    if self.use_cache and filled:
+    if self.use_cache and filled:  # this process's entries (a local computation)
       self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
                                                                           d0),
-                         ADVANCE_BATCHES * batch_size)
+                         ADVANCE_BATCHES * self.local_batch_size)
     else:  # nothing to carry over: entries (if any) were filled at a depth no longer served
       self.cache.advance(depth)
       self.cache.clear()
     return time.perf_counter() - start
 
   def _decide(self, plan, frozen, sample_batch, epochs_ahead: int, filled: bool) -> bool:
+    """Whether the cache serves ``plan``'s depth: the same answer on every
+    process (with several, each timing is the slowest process's and the
+    cache counts as filled only if every process's is)."""
     depth = plan.partition.num_frozen_layers
-    inputs = jax.device_put({k: sample_batch[k] for k in self.model.input_keys},
-                            self.spread(plan))
-    prefix = self._prefix(plan)
-    jax.block_until_ready(prefix(frozen, inputs))  # the first call also loads the program
+    inputs = None
+    if self.processes == 1:
+      inputs = jax.device_put({k: sample_batch[k] for k in self.model.input_keys},
+                              self.spread(plan))
+
+    def forward():
+      if inputs is None:  # this process's share, on its devices (as a miss runs)
+        return self._forward_here(plan, frozen, sample_batch)
+      return np.asarray(self._prefix(plan)(frozen, inputs))
+
+    forward()  # the first call also loads the program
     start = time.perf_counter()
-    hidden = np.asarray(prefix(frozen, inputs))
-    forward = time.perf_counter() - start
+    hidden = forward()
+    forward_seconds = time.perf_counter() - start
     write, read = self.cache.measure_io(hidden)
-    decision = autocache_policy.decide_caching(depth, forward, read, write, epochs_ahead, filled)
+    combined = ''
+    if self.processes > 1:
+      everyone = distributed.gather_exact([forward_seconds, read, write, float(filled)])
+      forward_seconds, read, write = (float(v) for v in everyone[:, :3].max(axis=0))
+      filled = bool(everyone[:, 3].all())
+      combined = f' (timings: the slowest of {self.processes} processes)'
+    decision = autocache_policy.decide_caching(depth, forward_seconds, read, write, epochs_ahead,
+                                               filled)
     self.decisions.append(decision)
     use = decision.use_cache or self.policy == 'always'
-    self.log('  ' + decision.describe() + (' — policy always: caching' if use and not
-                                           decision.use_cache else ''))
+    self.log('  ' + decision.describe() + combined + (
+        ' — policy always: caching' if use and not decision.use_cache else ''))
     return use
 
   def prefetch(self, batches: list[np.ndarray]) -> None:
@@ -251,7 +348,8 @@ class FrozenPrefix:
 
   def checkpoint_meta(self) -> dict:
     """The cache's metadata for a checkpoint: whether it serves the current
-    depth, its decisions so far and its counters (not its entries)."""
+    depth, its decisions so far and its counters (not its entries; with
+    several processes their sums, see :meth:`stats`)."""
     return {'use_cache': self.use_cache, 'batch_size': self._batch_size,
             'depth': None if self.cache is None else self.cache.depth,
             'decisions': [dataclasses.asdict(d) for d in self.decisions],
@@ -270,24 +368,38 @@ class FrozenPrefix:
       self.cache.clear()
 
   def stats(self) -> dict:
-    """Cache counters for the metrics row (empty without a cache)."""
+    """Cache counters for the metrics row (empty without a cache). With
+    several processes every counter (entries, bytes and seconds too) is the
+    sum over the processes, ``depth`` excepted: a collective, which every
+    process calls at the same point (an epoch's end, a checkpoint)."""
     if self.cache is None:
       return {}
-    return {f'cache_{k}': v for k, v in self.cache.stats().items()}
+    stats = self.cache.stats()
+    if self.processes > 1:
+      keys = sorted(k for k in stats if k != 'depth')
+      totals = distributed.gather_exact([stats[k] for k in keys]).sum(axis=0)
+      for k, total in zip(keys, totals):
+        stats[k] = float(total) if isinstance(stats[k], float) else int(total)
+    return {f'cache_{k}': v for k, v in stats.items()}
+
+  def local_stats(self) -> dict:
+    """This process's own cache counters (what :meth:`stats` sums) and the
+    IDs its cache holds; empty without a cache."""
+    if self.cache is None:
+      return {}
+    return {**{f'cache_{k}': v for k, v in self.cache.stats().items()},
+            'cached_ids': self.cache.cached_ids().tolist()}
 
 
 def make_cache(config, model: LayeredModel, source, params: Params, workdir: str,
-               log: Callable[[str], None] = print) -> ActivationCache | None:
+               log: Callable[[str], None] = print, own_ids: np.ndarray | None = None
+               ) -> ActivationCache | None:
   """The run's AutoCache from ``config.cache`` (None when disabled, or refused
-  because the source is randomly augmented)."""
+  because the source is randomly augmented). ``own_ids``: the sample IDs this
+  process reads (its data shards), the only ones its cache may hold. With
+  several processes each has its own directory, ``<cache dir>/process_<i>``."""
   c = config.cache
   if not c.enabled:
-    return None
-  if jax.process_count() > 1:
-    # Entries are host-local and fetched with host copies of whole global
-    # arrays; serving each host's own samples is not built yet.
-    log('AutoCache is off: it does not support several processes yet (the frozen prefix '
-        'is recomputed every step)')
     return None
   if not autocache_policy.caching_allowed(getattr(source, 'randomly_augmented', False),
                                           c.accept_reused_augmentation, log):
@@ -297,13 +409,19 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
                          {k: sample[k] for k in model.input_keys})
   # Everything that decides the frozen layers' output: the whole config
   # (training decides the frozen weights), the model and the data.
+  settings = {k: v for k, v in config.to_dict().items() if k != 'resume'}
+  directory = c.directory or os.path.join(workdir, 'cache')
+  if jax.process_count() > 1:
+    # The coordinator's address and this process's rank may change from one
+    # launch of the job to the next without changing any output.
+    settings['distributed'] = {'processes': jax.process_count(),
+                               'data_shards': config.distributed.data_shards}
+    directory = os.path.join(directory, f'process_{jax.process_index()}')
   identity = hashlib.sha256(json.dumps(
-      {'config': {k: v for k, v in config.to_dict().items() if k != 'resume'},
-       'model': model.hf_config.to_dict(),
+      {'config': settings, 'model': model.hf_config.to_dict(),
        'samples': len(source), 'entry': list(entry.shape[1:])},
       sort_keys=True, default=str).encode()).hexdigest()[:16]
   return ActivationCache(
       identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
       dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20), disk_bytes=int(c.disk_mb * 2**20),
-      directory=c.directory or os.path.join(workdir, 'cache'), on_mismatch=c.on_mismatch,
-      log=log)
+      directory=directory, on_mismatch=c.on_mismatch, log=log, own_ids=own_ids)

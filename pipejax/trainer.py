@@ -157,7 +157,7 @@ class Trainer:
     self.pipe = pipeline.Pipeline(model, devices=self.devices)
     self.prefix = FrozenPrefix(model, self.devices, train_loader.source,
                                make_cache(config, model, train_loader.source, params, workdir,
-                                          log), c.cache.policy, log)
+                                          log, own_ids=train_loader.ids), c.cache.policy, log)
     self.profile = autopipe.MicroBatchProfile(
         c.pipeline.profile_path or None,
         {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,

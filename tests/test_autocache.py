@@ -332,6 +332,15 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   cache.close()
 
 
+def test_counters_stay_readable_after_close(tmp_path):
+  # A run's summary reads them after the trainer closed the cache.
+  fake = FakePrefix(12)
+  cache, _ = _disk_cache(tmp_path, fake)
+  before = cache.stats()
+  cache.close()
+  assert cache.stats() == before and before['disk_file_bytes'] > 0
+
+
 def test_same_run_reopens_its_entries_and_drops_deeper_ones(tmp_path):
   fake = FakePrefix(12)
   cache, ids = _disk_cache(tmp_path, fake)
@@ -509,6 +518,34 @@ def test_host_subsets_are_fixed_disjoint_and_shuffled_within():
   for bad in [(10, 4, 4), (10, -1, 2), (3, 0, 4)]:
     with pytest.raises(ValueError):
       host_subset(*bad)
+
+
+def test_a_host_caches_only_its_own_samples(tmp_path):
+  n = 40
+  mine, theirs = host_subset(n, 0, 2, seed=5), host_subset(n, 1, 2, seed=5)
+  fake = FakePrefix(n)
+  # Another run's process left entries for every ID in the directory it now gets.
+  everyone = make_cache(tmp_path, num_samples=n, memory_bytes=0, disk_bytes=1 << 20, depth=3)
+  everyone.fetch(np.arange(n), fake.compute_fn(np.arange(n), 3))
+  everyone.close()
+  fake.computed.clear()
+  cache = make_cache(tmp_path, num_samples=n, memory_bytes=0, disk_bytes=1 << 20, depth=3,
+                     own_ids=mine)
+  np.testing.assert_array_equal(cache.cached_ids(), mine)  # the other host's records dropped
+  loader = Loader(ArraySource({'x': np.arange(n)}), 5, seed=1, ids=mine)
+  for epoch in range(2):
+    cache.prefetch(loader.batch_ids(epoch))
+    run_epoch(cache, fake, loader.batch_ids(epoch))
+  assert cache.stats()['hits'] == 2 * len(mine) and fake.computed == []
+  poisoned = np.concatenate([mine[:4], theirs[:1]])
+  with pytest.raises(ValueError, match=rf'sample IDs \[{theirs[0]}\] are not among the IDs '
+                                       r"this cache may hold \(another host's samples\)"):
+    cache.fetch(poisoned, fake.compute_fn(poisoned, 3))
+  with pytest.raises(ValueError, match='another host'):
+    cache.prefetch([poisoned])
+  assert fake.computed == [] and not cache.contains(theirs).any()
+  np.testing.assert_array_equal(cache.cached_ids(), mine)
+  cache.close()
 
 
 def test_loader_batch_ids_match_its_epochs():

@@ -1,6 +1,7 @@
 """Several processes: data shards, the stage axis inside a process, a job of
 2 processes x 4 fake CPU devices on loopback (gloo) against the single-process
-8-device run, and a dead process stopping the job in one line."""
+8-device run (without and with AutoCache), and a dead process stopping the job
+in one line."""
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from experiments import elastic, vit_imagenet
+from experiments import datasets, elastic, vit_imagenet
 from pipejax import distributed
 from pipejax.data import ArraySource, ShardedLoader, host_subset
 from pipejax.pipeline import PlanError
@@ -162,8 +163,8 @@ def _rows(workdir):
 @JOBS
 def test_two_processes_match_one_process(tmp_path):
   workdir = str(tmp_path / 'job')
-  # AutoCache off in both: the job turns it off anyway, and entries advanced
-  # through newly frozen blocks may differ from a fresh forward in the last bit.
+  # AutoCache off in both: the plain paths (the prefix run every step); the
+  # cached job is compared below.
   overrides = {**SMALL, 'checkpoint.enabled': False, 'cache.enabled': False}
   results = _finish(_launch(workdir, overrides), timeout=240)
   # The reference: one process, 8 devices, the same 2 data shards (run after
@@ -199,6 +200,69 @@ def test_two_processes_match_one_process(tmp_path):
   with open(os.path.join(tmp_path, 'single', 'sample_ids', 'process_0.json')) as f:
     assert set(json.load(f)['train']) == train[0] | train[1]
   assert os.path.exists(os.path.join(workdir, 'summary.json'))
+
+
+# AutoCache in a job: α = 0.5 freezes 2, then 3 of the 4 blocks (F = 0, 2, 3;
+# K = 4, 4, 2), so the entries each process fills at depth 2 in epoch 1 are
+# advanced to depth 3 and reused in epoch 2. Whole epochs of 256 samples (5
+# steps over a process's 719) make samples come back; a 0.1 MB memory budget
+# sends most entries to each process's disk file.
+CACHED = {**SMALL, 'train.epochs': 3, 'train.batch_size': 256, 'train.max_steps_per_epoch': 0,
+          'freeze.alpha': 0.5, 'checkpoint.enabled': False, 'cache.policy': 'always',
+          'cache.memory_mb': 0.1, 'cache.disk_mb': 1.0}
+COUNTERS = ('hits', 'misses', 'advanced', 'layer_passes', 'repeated_layer_passes')
+
+
+@JOBS
+def test_two_processes_with_autocache_match_one_process(tmp_path):
+  workdir = str(tmp_path / 'job')
+  results = _finish(_launch(workdir, CACHED), timeout=480)
+  # References, one process x 8 devices over the same 2 shards: cache on and off.
+  for name, enabled in (('cached', True), ('plain', False)):
+    config = vit_imagenet.get_config()
+    with config.unlocked():
+      fixtures.override(config, {**CACHED, 'cache.enabled': enabled,
+                                 'distributed.data_shards': 2})
+    elastic.run(config, str(tmp_path / name), task='vit')
+  for p, (code, stdout, stderr) in enumerate(results):
+    assert code == 0, f'process {p}: {stderr[-3000:]}'
+  rows, cached, plain = (_rows(str(d)) for d in (workdir, tmp_path / 'cached',
+                                                 tmp_path / 'plain'))
+  for run in (rows, cached, plain):
+    assert [(r['pipeline_length'], r['replicas'], r['frozen_layers']) for r in run] == [
+        (4, 2, 0), (4, 2, 2), (2, 4, 3)]
+  assert [r['cache'] for r in rows] == [r['cache'] for r in cached] == [False, True, True]
+  losses = [[r['train_loss'] for r in run] for run in (rows, cached, plain)]
+  print(f'train losses, 2 processes x 4 devices, cache on: {losses[0]}; 1 process x 8, cache '
+        f'on: {losses[1]}; cache off: {losses[2]}')
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+  np.testing.assert_allclose(losses[0], losses[2], rtol=1e-5)
+  assert [r['eval_accuracy'] for r in rows] == [r['eval_accuracy'] for r in cached]
+  # The same decision on both processes, taken from both processes' timings.
+  decisions = [[line for line in out.splitlines() if 'autocache: F=' in line]
+               for _, out, _ in results]
+  assert len(decisions[0]) == 2 and decisions[0] == decisions[1], decisions
+  assert all('the slowest of 2 processes' in line for line in decisions[0])
+  # The metrics sum both processes' counters: the same samples went through
+  # the same cache steps as in one process, none through a frozen block twice.
+  total = {k: rows[-1][f'cache_{k}'] for k in COUNTERS}
+  print(f'cache counters of the job (summed): {total}')
+  assert total == {k: cached[-1][f'cache_{k}'] for k in COUNTERS}
+  assert total['repeated_layer_passes'] == 0 and rows[1]['cache_hits'] == 0
+  assert rows[2]['cache_hits'] > 0 and total['advanced'] == rows[1]['cache_misses']
+  # Each process cached only samples of its own shard, and reused them.
+  sides, samples = [], len(datasets.digits().train)
+  for p in (0, 1):
+    with open(os.path.join(workdir, 'sample_ids', f'process_{p}.json')) as f:
+      sides.append(json.load(f))
+    own = set(host_subset(samples, p, 2, seed=0).tolist())
+    held = set(sides[p]['cache']['cached_ids'])
+    assert held and held <= own and held <= set(sides[p]['train'])
+    assert sides[p]['cache']['cache_hits'] > 0 and sides[p]['cache']['cache_disk_entries'] > 0
+    assert os.path.getsize(os.path.join(workdir, 'cache', f'process_{p}', 'entries.bin')) > 0
+  assert not set(sides[0]['cache']['cached_ids']) & set(sides[1]['cache']['cached_ids'])
+  for k in COUNTERS:
+    assert sides[0]['cache'][f'cache_{k}'] + sides[1]['cache'][f'cache_{k}'] == total[k]
 
 
 @JOBS
