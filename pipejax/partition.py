@@ -40,11 +40,16 @@ class Partition:
     num_frozen_layers: leading blocks that are frozen and outside the pipeline
       (with them the embedding); 0 means the embedding is the first unit.
     stage_sizes: units per stage, in order; they sum to :attr:`num_active_units`.
+    min_slots: pad every stage to at least this many block slots. Partitions
+      of the same length padded to the same width share one compiled step
+      (the slot tables are runtime data), so a freeze event that keeps K
+      reuses the step it already has; padding costs a skipped branch per slot.
   """
 
   num_layers: int
   num_frozen_layers: int
   stage_sizes: tuple[int, ...]
+  min_slots: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, 'stage_sizes', tuple(int(s) for s in self.stage_sizes))
@@ -119,6 +124,10 @@ class SlotTables:
   def num_slots(self) -> int:
     return int(self.layer.shape[1])
 
+  def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(layer, has_attention, has_mlp)``: what a compiled step takes at run time."""
+    return self.layer, self.has_attention, self.has_mlp
+
 
 def _slot_tables(partition: Partition) -> SlotTables:
   per_stage = []
@@ -132,7 +141,7 @@ def _slot_tables(partition: Partition) -> SlotTables:
         slots.append([layer, False, False])
       slots[-1][1 + kind] = True
     per_stage.append(slots)
-  width = max(1, max(len(s) for s in per_stage))
+  width = max(1, partition.min_slots, max(len(s) for s in per_stage))
   k = partition.pipeline_length
   layer = np.zeros((k, width), np.int32)
   has_a = np.zeros((k, width), bool)

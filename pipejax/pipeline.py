@@ -126,9 +126,30 @@ def _zeros_like_metrics(model: LayeredModel, params: Params, hidden, batch) -> d
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def program_key(plan: Plan) -> tuple:
+  """What a compiled step depends on. The slot tables (which block each slot
+  runs, and which halves) are runtime data, so plans that differ only in them
+  — a freeze event that keeps K and the slot width (see
+  :attr:`pipejax.partition.Partition.min_slots`) — share one program."""
+  partition, tables = plan.partition, plan.partition.tables
+  return (partition.num_layers, plan.pipeline_length, plan.replicas, plan.micro_batches,
+          plan.schedule, tables.num_slots, partition.has_embed,
+          bool(tables.has_attention.all()), bool(tables.has_mlp.all()))
+
+
+def stage_tables(plan: Plan, mesh: Mesh) -> tuple[jax.Array, ...]:
+  """``plan``'s slot tables on ``mesh``, split over ``'stage'`` (the runtime
+  argument of a compiled step; see :func:`program_key`)."""
+  sharding = NamedSharding(mesh, P(STAGE))
+  return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+               for a in plan.partition.tables.arrays())
+
+
 def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, train: bool,
                 fill: float, trace_counter: list | None):
-  """The per-device program: run ``sched`` for one (replica, stage)."""
+  """The per-device program: run ``sched`` for one (replica, stage). Only
+  what :func:`program_key` names is read from ``plan``; the slot tables come
+  in as the last argument."""
   partition = plan.partition
   num_stages = plan.pipeline_length
   num_micro = plan.micro_batches
@@ -140,7 +161,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
   # One stage is first and last at once: its branches are known statically.
   single = num_stages == 1
 
-  def body(stage_params, batch, rng):
+  def body(stage_params, batch, rng, slot_tables):
     if trace_counter is not None:
       trace_counter.append(plan)
     stage = lax.axis_index(STAGE)
@@ -151,9 +172,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     shared = {k: v for k, v in stage_params.items() if k not in ('attention', 'mlp')}
     params = {**shared, **local}
     micro = jax.tree.map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), dict(batch))
-    slot_layer = jnp.asarray(tables.layer)[stage]
-    slot_attn = jnp.asarray(tables.has_attention)[stage]
-    slot_mlp = jnp.asarray(tables.has_mlp)[stage]
+    slot_layer, slot_attn, slot_mlp = (t[0] for t in slot_tables)
 
     def stage_fn(p, x, m):
       """Stage forward on micro-batch m: ``x [mb, seq, d] -> (out, (loss, metrics))``."""
@@ -276,10 +295,14 @@ def _store(buf: jax.Array, value: jax.Array, slot: jax.Array) -> jax.Array:
 
 
 class _CheckedStep:
-  """A compiled step that checks its batch before running it."""
+  """A compiled step of one plan that checks its batch before running it.
 
-  def __init__(self, jitted, plan: Plan, needed_keys: tuple[str, ...]):
-    self.jitted, self.plan, self.needed_keys = jitted, plan, needed_keys
+  ``jitted`` is ``(stage_params, batch, rng, tables) -> ...``, shared by every
+  plan with the same :func:`program_key`; ``tables`` are this plan's.
+  """
+
+  def __init__(self, jitted, plan: Plan, needed_keys: tuple[str, ...], tables):
+    self.jitted, self.plan, self.needed_keys, self.tables = jitted, plan, needed_keys, tables
 
   def __call__(self, stage_params, batch, rng):
     missing = [k for k in self.needed_keys if k not in batch]
@@ -289,7 +312,7 @@ class _CheckedStep:
     if len(set(sizes.values())) != 1:
       raise PlanError(f'batch arrays disagree on the batch size: {sizes}')
     check_batch(next(iter(sizes.values())), self.plan)
-    return self.jitted(stage_params, dict(batch), rng)
+    return self.jitted(stage_params, dict(batch), rng, self.tables)
 
 
 class Pipeline:
@@ -297,8 +320,9 @@ class Pipeline:
 
   ``Pipeline(model).grad_fn(plan, stage_params)`` returns a jitted
   ``(stage_params, batch, rng) -> (loss, metrics, grads)``; the same plan
-  always returns the same compiled function, so a plan is traced and compiled
-  once (``trace_count`` counts traces, for tests and logs).
+  always returns the same compiled function, and plans with the same
+  :func:`program_key` share one program, so it is traced and compiled once
+  (``trace_count`` counts traces, for tests and logs).
   """
 
   def __init__(self, model: LayeredModel, *, devices=None, fill: float = 0.0):
@@ -312,6 +336,7 @@ class Pipeline:
     self.devices = list(jax.devices() if devices is None else devices)
     self.fill = fill
     self._steps: dict[tuple, Any] = {}
+    self._programs: dict[tuple, Any] = {}
     self.traces: list[Plan] = []
 
   @property
@@ -325,25 +350,30 @@ class Pipeline:
     return make_mesh(plan.pipeline_length, self.devices[:plan.num_devices])
 
   def _build(self, plan: Plan, stage_params: Params, train: bool, forward: bool):
-    key = (plan, train, forward, jax.tree.structure(stage_params))
+    treedef = jax.tree.structure(stage_params)
+    key = (plan, train, forward, treedef)
     if key in self._steps:
       return self._steps[key]
     if plan.partition.num_layers != self.model.num_layers:
       raise PlanError(f'partition is for {plan.partition.num_layers} layers but the model has '
                       f'{self.model.num_layers}')
-    make = schedule_lib.forward_only if forward else functools.partial(
-        schedule_lib.make, plan.schedule)
-    sched = make(plan.pipeline_length, plan.micro_batches)
-    schedule_lib.validate(sched)
     mesh = self.mesh(plan)
-    specs = stage_param_specs(stage_params)
-    body = _stage_body(self.model, plan, sched, train, self.fill, self.traces)
-    out_specs = (P(), P()) if forward else (P(), P(), specs)
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA), P()),
-                           out_specs=out_specs, check_vma=False)
+    program = (program_key(plan), train, forward, treedef)
+    if program not in self._programs:
+      make = schedule_lib.forward_only if forward else functools.partial(
+          schedule_lib.make, plan.schedule)
+      sched = make(plan.pipeline_length, plan.micro_batches)
+      schedule_lib.validate(sched)
+      specs = stage_param_specs(stage_params)
+      body = _stage_body(self.model, plan, sched, train, self.fill, self.traces)
+      out_specs = (P(), P()) if forward else (P(), P(), specs)
+      mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA), P(), P(STAGE)),
+                             out_specs=out_specs, check_vma=False)
+      self._programs[program] = jax.jit(mapped)
     model = self.model
     inputs = model.input_keys if plan.partition.has_embed else ('hidden',) + model.block_keys
-    step = _CheckedStep(jax.jit(mapped), plan, inputs + model.label_keys)
+    step = _CheckedStep(self._programs[program], plan, inputs + model.label_keys,
+                        stage_tables(plan, mesh))
     self._steps[key] = step
     return step
 

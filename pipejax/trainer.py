@@ -51,10 +51,12 @@ class Transition:
   warmup_seconds: float = 0.0  # the new plan's first step beyond the epoch's mean step
 
 
-def layer_grad_norms(grads: Params, partition: part.Partition) -> jax.Array:
+def layer_grad_norms(grads: Params, partition: part.Partition, tables=None) -> jax.Array:
   """``[L]`` gradient norm of every block (attention and MLP halves together)
-  from gradients in the stage layout; frozen blocks get 0."""
-  t = partition.tables
+  from gradients in the stage layout; frozen blocks get 0. ``tables``: the
+  slot tables as runtime arrays ``(layer, has_attention, has_mlp)`` (default:
+  ``partition``'s, as constants)."""
+  t = part.SlotTables(*(partition.tables.arrays() if tables is None else tables))
 
   def slot_sq(stack):
     return sum(jnp.sum(jnp.square(g), axis=tuple(range(2, g.ndim)))
@@ -165,9 +167,10 @@ class Trainer:
          'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule})
     self.steps_per_epoch = train_loader.steps_per_epoch()
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
-    self._steps: dict[pipeline.Plan, Any] = {}
+    self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval = None
-    self._executables: dict[pipeline.Plan, Any] = {}
+    self._executables: dict[tuple, Any] = {}  # compiled steps, by pipeline.program_key
+    self._tables: dict[pipeline.Plan, tuple] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._ahead = None
     self._trials: dict[int, dict] = {}
@@ -294,6 +297,7 @@ class Trainer:
         'step': int(self.state['step']), 'devices': self.num_devices,
         'plan': {'frozen_layers': plan.partition.num_frozen_layers,
                  'stage_sizes': list(plan.partition.stage_sizes),
+                 'min_slots': plan.partition.min_slots,
                  'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
                  'micro_batches': plan.micro_batches, 'schedule': plan.schedule,
                  'describe': plan.describe()},
@@ -322,7 +326,8 @@ class Trainer:
     num_frozen = saved['frozen_layers']
     k = saved['pipeline_length']
     if meta['devices'] == self.num_devices and self.num_devices % k == 0:
-      return part.Partition(self.model.num_layers, num_frozen, tuple(saved['stage_sizes']))
+      return part.Partition(self.model.num_layers, num_frozen, tuple(saved['stage_sizes']),
+                            saved.get('min_slots', 0))
     limit = min(k, self.initial_length) if num_frozen else self.initial_length
     k = max(d for d in range(1, limit + 1) if self.num_devices % d == 0)
     partition = autopipe.partition_for(self.costs, num_frozen, k,
@@ -382,33 +387,56 @@ class Trainer:
              f'{meta["step_in_epoch"]}/{self.steps_per_epoch} batches): {self.plan.describe()}')
 
   # -- compiled steps ------------------------------------------------------------
-  def _train_step(self, plan: pipeline.Plan):
-    """The jitted train step of ``plan`` (cached; donates the state).
+  def _step_program(self, plan: pipeline.Plan):
+    """The jitted ``(state, feed, tables) -> state`` of ``plan``, shared by
+    the plans with its :func:`pipejax.pipeline.program_key` (donates the state).
 
-    ``(state, feed) -> state`` where ``state`` lacks ``'frozen'`` (the step
-    never touches frozen parameters) and ``feed`` is the batch, or, with a
-    frozen prefix, its output ``'hidden'`` with the labels and the keys every
-    block reads (see :meth:`_feed`).
+    ``state`` lacks ``'frozen'`` (the step never touches frozen parameters),
+    ``feed`` is the batch, or, with a frozen prefix, its output ``'hidden'``
+    with the labels and the keys every block reads (see :meth:`_feed`), and
+    ``tables`` the plan's slot tables (:meth:`_slot_tables`).
     """
-    if plan in self._steps:
-      return self._steps[plan]
+    key = pipeline.program_key(plan)
+    if key in self._steps:
+      return self._steps[key]
     mesh = self.mesh(plan)
     partition = plan.partition
     state_shapes = _without_frozen(self._state_shapes(partition))
     grad = self.pipe.grad_fn(plan, state_shapes['active'], train=True).jitted
 
-    def step(state, feed):
+    def step(state, feed, tables):
       rng, step_rng = jax.random.split(state['rng'])
-      loss, metrics, grads = grad(state['active'], feed, step_rng)
+      loss, metrics, grads = grad(state['active'], feed, step_rng, tables)
       updates, opt = self.optimizer.update(grads, state['opt'], state['active'])
       return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
               'active': optax.apply_updates(state['active'], updates),
-              'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition),
+              'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition, tables),
               'sums': state['sums'] + jnp.stack([loss, _correct(metrics), metrics['count']])}
 
     fn = jax.jit(step, donate_argnums=0, out_shardings=autodp.state_shardings(state_shapes, mesh))
-    self._steps[plan] = fn
+    self._steps[key] = fn
     return fn
+
+  def _slot_tables(self, plan: pipeline.Plan) -> tuple:
+    """``plan``'s slot tables on its mesh (cached)."""
+    if plan not in self._tables:
+      self._tables[plan] = pipeline.stage_tables(plan, self.mesh(plan))
+    return self._tables[plan]
+
+  def _compile_step(self, plan: pipeline.Plan, state_shapes: dict, feed) -> None:
+    """Compiles ``plan``'s step unless its program is compiled already
+    (a freeze event that keeps K and the slot width reuses it)."""
+    key = pipeline.program_key(plan)
+    if key not in self._executables:
+      self._executables[key] = self._step_program(plan).lower(
+          state_shapes, feed, self._slot_tables(plan)).compile()
+
+  def _train_step(self, plan: pipeline.Plan):
+    """``plan``'s train step ``(state, feed) -> state``: its compiled
+    program (or the jitted one) with its slot tables bound."""
+    fn = self._executables.get(pipeline.program_key(plan)) or self._step_program(plan)
+    tables = self._slot_tables(plan)
+    return lambda state, feed: fn(state, feed, tables)
 
   def _feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan) -> dict:
     """The pipeline's input on the devices: the batch, or the frozen prefix's
@@ -488,7 +516,7 @@ class Trainer:
     for sample_ids, batch in loader.epoch(epoch, start_step):
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
-      fn = self._executables.get(self.plan) or self._train_step(self.plan)
+      fn = self._train_step(self.plan)
       first = self._first_step_pending
       if timed or first:  # time this step alone, not the tail of the one before
         jax.block_until_ready(self.state)
@@ -565,15 +593,20 @@ class Trainer:
   def _partition_after(self, num_frozen: int) -> part.Partition:
     """AutoPipe's partition once ``num_frozen`` blocks are frozen."""
     c = self.config.freeze
-    k = self.plan.pipeline_length
+    old = self.plan.partition
+    k = old.pipeline_length
     if not c.compress:
-      return autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
-    partition = autopipe.compress(self.costs, num_frozen, k, self.initial_length,
-                                  c.lambda_frozen).partition
-    k = partition.pipeline_length
-    if self.num_devices % k:  # forced halving of an odd length: largest divisor instead
-      k = max(d for d in range(1, k + 1) if self.num_devices % d == 0)
       partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
+    else:
+      partition = autopipe.compress(self.costs, num_frozen, k, self.initial_length,
+                                    c.lambda_frozen).partition
+      k = partition.pipeline_length
+      if self.num_devices % k:  # forced halving of an odd length: largest divisor instead
+        k = max(d for d in range(1, k + 1) if self.num_devices % d == 0)
+        partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
+    if k == old.pipeline_length and not old.has_embed:
+      # Same K: keep the slot width, so the step compiled for it runs on.
+      partition = dataclasses.replace(partition, min_slots=old.tables.num_slots)
     return partition
 
   def _prepare(self, old: part.Partition, new: part.Partition, plans: list[pipeline.Plan],
@@ -588,10 +621,10 @@ class Trainer:
     prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],
                                          sample_batch, self.batch_size(plans[0]))
     feed = prefixes.pop('feed')
-    steps = {plan: self._train_step(plan).lower(_without_frozen(new_shapes), feed).compile()
-             for plan in plans}
+    for plan in plans:
+      self._compile_step(plan, _without_frozen(new_shapes), feed)
     self._portable_fn(plans[0]).lower(new_shapes).compile()  # warms the persistent cache
-    return move, steps, prefixes, time.perf_counter() - start
+    return move, prefixes, time.perf_counter() - start
 
   def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:
     """The plans a partition may run: the remembered M, or every candidate M."""
@@ -643,12 +676,11 @@ class Trainer:
     ahead_used = ahead is not None and ahead[:2] == (old.partition, new_partition)
     t0 = time.perf_counter()
     if ahead_used:
-      move, steps, prefixes, _ = ahead[2].result()  # waits only for what still compiles
+      move, prefixes, _ = ahead[2].result()  # waits only for what still compiles
     else:
-      move, steps, prefixes, _ = self._prepare(old.partition, new_partition, plans,
+      move, prefixes, _ = self._prepare(old.partition, new_partition, plans,
                                                self._state_spec(), sample_batch)
     compile_s = time.perf_counter() - t0
-    self._executables.update(steps)
     self.prefix.adopt(prefixes)
     t0 = time.perf_counter()
     self.state = move(autodp.on_mesh(self.state, self.mesh(plans[0])))

@@ -223,3 +223,40 @@ def test_bad_inputs_name_the_value():
     part.Partition(4, 0, (4, 5))
   with pytest.raises(part.PartitionError, match='at least one unit'):
     part.Partition(4, 0, (10, 0))
+
+
+def test_freeze_event_at_the_same_length_reuses_the_program_exactly():
+  """Partitions of one K padded to one slot width share a compiled program
+  (the slot tables are runtime data); each gives bit for bit what its own
+  unpadded program gives, and padded slots get exactly zero gradient."""
+  kind, num_layers = 'vit', 6
+  created = fixtures.tiny(kind, num_layers=num_layers)
+  model, params = created.model, created.params
+  wide = part.Partition(num_layers, 1, (3, 3, 2, 3))   # 2 blocks on some stages
+  narrow = part.Partition(num_layers, 3, (2, 2, 1, 2))  # 1 block per stage
+  padded = part.Partition(num_layers, 3, (2, 2, 1, 2), min_slots=wide.tables.num_slots)
+  assert narrow.tables.num_slots < padded.tables.num_slots == wide.tables.num_slots
+  assert pipeline.program_key(pipeline.Plan(padded, 2, 2)) == pipeline.program_key(
+      pipeline.Plan(wide, 2, 2))
+  batch = fixtures.batch(kind, model, 8, seed=3)
+  rng = jax.random.PRNGKey(0)
+
+  def run(pipe, partition):
+    hidden = model.hidden_states(params, batch, upto_layer=partition.num_frozen_layers)
+    feed = {'hidden': np.asarray(hidden), 'labels': batch['labels']}
+    stage_params = part.to_stage_params(params, partition)
+    return pipe.grad_fn(pipeline.Plan(partition, 2, 2), stage_params, train=False)(
+        stage_params, feed, rng)
+
+  shared = pipeline.Pipeline(model, fill=NAN)
+  run(shared, wide)
+  loss, _, grads = run(shared, padded)
+  assert shared.trace_count == 1  # the freeze event traced nothing new
+  own_loss, _, own_grads = run(pipeline.Pipeline(model, fill=NAN), narrow)
+  assert float(loss) == float(own_loss)
+  width = narrow.tables.num_slots
+  for key in ('attention', 'mlp'):
+    for g, own in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(own_grads[key])):
+      g = np.asarray(g)
+      np.testing.assert_array_equal(g[:, :width], np.asarray(own))
+      assert np.all(g[:, width:] == 0.0)  # padding: exactly zero, and not NaN
