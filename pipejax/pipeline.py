@@ -316,7 +316,7 @@ class _CheckedStep:
 
 
 class Pipeline:
-  """Compiled pipeline steps for one model, cached per plan.
+  """Compiled pipeline steps for one model, cached per plan and shared per program key.
 
   ``Pipeline(model).grad_fn(plan, stage_params)`` returns a jitted
   ``(stage_params, batch, rng) -> (loss, metrics, grads)``; the same plan
