@@ -137,14 +137,6 @@ def program_key(plan: Plan) -> tuple:
           bool(tables.has_attention.all()), bool(tables.has_mlp.all()))
 
 
-def stage_tables(plan: Plan, mesh: Mesh) -> tuple[jax.Array, ...]:
-  """``plan``'s slot tables on ``mesh``, split over ``'stage'`` (the runtime
-  argument of a compiled step; see :func:`program_key`)."""
-  sharding = NamedSharding(mesh, P(STAGE))
-  return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
-               for a in plan.partition.tables.arrays())
-
-
 def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, train: bool,
                 fill: float, trace_counter: list | None):
   """The per-device program: run ``sched`` for one (replica, stage). Only
@@ -337,6 +329,7 @@ class Pipeline:
     self.fill = fill
     self._steps: dict[tuple, Any] = {}
     self._programs: dict[tuple, Any] = {}
+    self._tables: dict[tuple, tuple] = {}
     self.traces: list[Plan] = []
 
   @property
@@ -348,6 +341,17 @@ class Pipeline:
       raise PlanError(f'plan needs R x K = {plan.replicas} x {plan.pipeline_length} = '
                       f'{plan.num_devices} devices but only {len(self.devices)} are in use')
     return make_mesh(plan.pipeline_length, self.devices[:plan.num_devices])
+
+  def tables(self, plan: Plan) -> tuple[jax.Array, ...]:
+    """``plan``'s slot tables on its mesh, split over ``'stage'``: the runtime
+    argument of its compiled step (see :func:`program_key`); cached."""
+    key = (plan.partition, plan.replicas)
+    if key not in self._tables:
+      sharding = NamedSharding(self.mesh(plan), P(STAGE))
+      self._tables[key] = tuple(
+          jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index])
+          for a in plan.partition.tables.arrays())
+    return self._tables[key]
 
   def _build(self, plan: Plan, stage_params: Params, train: bool, forward: bool):
     treedef = jax.tree.structure(stage_params)
@@ -373,7 +377,7 @@ class Pipeline:
     model = self.model
     inputs = model.input_keys if plan.partition.has_embed else ('hidden',) + model.block_keys
     step = _CheckedStep(self._programs[program], plan, inputs + model.label_keys,
-                        stage_tables(plan, mesh))
+                        self.tables(plan))
     self._steps[key] = step
     return step
 

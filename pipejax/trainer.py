@@ -170,7 +170,6 @@ class Trainer:
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval = None
     self._executables: dict[tuple, Any] = {}  # compiled steps, by pipeline.program_key
-    self._tables: dict[pipeline.Plan, tuple] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._ahead = None
     self._trials: dict[int, dict] = {}
@@ -394,7 +393,7 @@ class Trainer:
     ``state`` lacks ``'frozen'`` (the step never touches frozen parameters),
     ``feed`` is the batch, or, with a frozen prefix, its output ``'hidden'``
     with the labels and the keys every block reads (see :meth:`_feed`), and
-    ``tables`` the plan's slot tables (:meth:`_slot_tables`).
+    ``tables`` the plan's slot tables (:meth:`pipejax.pipeline.Pipeline.tables`).
     """
     key = pipeline.program_key(plan)
     if key in self._steps:
@@ -417,25 +416,19 @@ class Trainer:
     self._steps[key] = fn
     return fn
 
-  def _slot_tables(self, plan: pipeline.Plan) -> tuple:
-    """``plan``'s slot tables on its mesh (cached)."""
-    if plan not in self._tables:
-      self._tables[plan] = pipeline.stage_tables(plan, self.mesh(plan))
-    return self._tables[plan]
-
   def _compile_step(self, plan: pipeline.Plan, state_shapes: dict, feed) -> None:
     """Compiles ``plan``'s step unless its program is compiled already
     (a freeze event that keeps K and the slot width reuses it)."""
     key = pipeline.program_key(plan)
     if key not in self._executables:
       self._executables[key] = self._step_program(plan).lower(
-          state_shapes, feed, self._slot_tables(plan)).compile()
+          state_shapes, feed, self.pipe.tables(plan)).compile()
 
   def _train_step(self, plan: pipeline.Plan):
     """``plan``'s train step ``(state, feed) -> state``: its compiled
     program (or the jitted one) with its slot tables bound."""
     fn = self._executables.get(pipeline.program_key(plan)) or self._step_program(plan)
-    tables = self._slot_tables(plan)
+    tables = self.pipe.tables(plan)
     return lambda state, feed: fn(state, feed, tables)
 
   def _feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan) -> dict:
