@@ -73,8 +73,8 @@ def main(argv=None) -> int:
   for f, plan in plans.items():
     trainer.plan = plan
     trainer.state = trainer._init_state(created.params, plan)  # noqa: SLF001
-    fn = trainer._train_step(plan)  # noqa: SLF001
     feeds = [trainer._feed(i, b, plan) for i, b in zip(ids, batches)]  # noqa: SLF001
+    fn = trainer._train_step(plan, feeds[0])  # noqa: SLF001
     for feed in feeds[:2]:
       trainer._run_step(fn, feed)  # noqa: SLF001
     jax.block_until_ready(trainer.state)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 import models
 from experiments import datasets, text_data, text_eval
 from pipejax import (checkpoints, distributed, freeze, frozen_prefix, pipeline, reporting,
-                     resume, schedule)
+                     resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader, ShardedLoader
 from pipejax.partition import PartitionError
@@ -312,7 +312,8 @@ def run(config, workdir: str | None, task: str,
          f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
          f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
     trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
-                      devices=devices, log=_log, evaluator=data.evaluator)
+                      devices=devices, log=_log, evaluator=data.evaluator,
+                      program_store=runtime.program_store_dir())
     if config.resume:
       _resume(workdir, trainer, ckpt, ident)
     result = trainer.run(config.train.epochs, _progress, save=save,
@@ -346,6 +347,7 @@ def run(config, workdir: str | None, task: str,
       'micro_batch_rounds': PROFILE_ROUNDS + 1,  # per candidate, with warm-up
       'micro_batch_timings': {str(k): v for k, v in trainer.micro_batch_timings.items()},
       'final_plan': trainer.plan.describe(),
+      'programs': trainer.programs.stats(),
   }
   if distributed.is_main_process():
     reporting.write_summary(workdir, summary)

@@ -82,7 +82,9 @@ def sweep(config, workdir: str) -> dict:
     candidates = [m * k for m in range(1, 7) if per_replica % (m * k) == 0] or [1]
     skipped = [m * k for m in range(1, 7) if per_replica % (m * k)]
     plans = {m: dataclasses.replace(base, micro_batches=m) for m in candidates}
-    fns = {m: trainer._train_step(p) for m, p in plans.items()}  # noqa: SLF001
+    ids0, batch0 = batches[0]
+    fns = {m: trainer._train_step(p, trainer._feed(ids0, batch0, p))  # noqa: SLF001
+           for m, p in plans.items()}
     best = {m: float('inf') for m in candidates}
     for round_ in range(ROUNDS + 1):  # round 0 compiles and warms up
       for m, plan in plans.items():

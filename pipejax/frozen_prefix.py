@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.layered import LayeredModel
 from pipejax import autocache_policy, distributed, pipeline
 from pipejax.autocache import ActivationCache
+from pipejax.programs import ProgramStore
 
 Params = Any
 CACHE_POLICIES = ('profile', 'always')
@@ -67,11 +68,13 @@ class FrozenPrefix:
   """
 
   def __init__(self, model: LayeredModel, devices, source, cache: ActivationCache | None,
-               policy: str = 'profile', log: Callable[[str], None] = print):
+               policy: str = 'profile', log: Callable[[str], None] = print,
+               programs: ProgramStore | None = None):
     if policy not in CACHE_POLICIES:
       raise ValueError(f'cache.policy must be one of {CACHE_POLICIES}, got {policy!r}')
     self.model, self.devices, self.source = model, list(devices), source
     self.cache, self.policy, self.log = cache, policy, log
+    self.programs = programs or ProgramStore(None, {})
     self.use_cache = False
     self._batch_size = 0  # the global batch, set at each depth change
     self.processes = jax.process_count()
@@ -192,8 +195,10 @@ class FrozenPrefix:
     this process's devices, which serve its cache); returns ``(kind, key) ->
     executable`` for :meth:`adopt` and the feed's shapes under ``'feed'``."""
     inputs, rest = self.abstract_inputs(plan, sample_batch, batch_size)
-    prefix = self.prefix_fn(plan).lower(frozen_shapes, inputs)
-    out = {('prefix', self.key(plan) + (False,)): prefix.compile()}
+    store = self.programs.compile
+    key = self.key(plan) + (False,)
+    prefix = store('prefix', key, (frozen_shapes, inputs), lambda: self.prefix_fn(plan))
+    out = {('prefix', key): prefix}
     hidden = prefix.out_info
     out['feed'] = {'hidden': jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                                   sharding=self.data(plan)), **rest}
@@ -206,16 +211,18 @@ class FrozenPrefix:
       batch_size //= self.processes
       inputs = {k: jax.ShapeDtypeStruct((batch_size,) + v.shape[1:], v.dtype)
                 for k, v in inputs.items()}
-      out[('prefix', self.key(plan) + (True,))] = self.prefix_fn(plan, local=True).lower(
-          frozen_shapes, inputs).compile()
+      key = self.key(plan) + (True,)
+      out[('prefix', key)] = store('prefix', key, (frozen_shapes, inputs),
+                                   lambda: self.prefix_fn(plan, local=True))
     if 0 < from_depth < plan.partition.num_frozen_layers:
       spread = self._layout(plan, local)[1]
       chunk = ADVANCE_BATCHES * batch_size
       h = jax.ShapeDtypeStruct((chunk,) + hidden.shape[1:], hidden.dtype, sharding=spread)
       extra = {k: jax.ShapeDtypeStruct((chunk,) + v.shape[1:], v.dtype, sharding=spread)
                for k, v in inputs.items() if k in self.model.block_keys}
-      out[('advance', (from_depth,) + self.key(plan) + (local,))] = self.advance_fn(
-          plan, from_depth, local).lower(frozen_shapes, h, extra).compile()
+      key = (from_depth,) + self.key(plan) + (local,)
+      out[('advance', key)] = store('advance', key, (frozen_shapes, h, extra),
+                                    lambda: self.advance_fn(plan, from_depth, local))
     return out
 
   def adopt(self, compiled: dict) -> None:

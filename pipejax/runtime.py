@@ -35,3 +35,12 @@ def setup(cpu_devices: int = 8) -> None:
     # per transition (step, move, prefix, advance, portable state) that each
     # compile in 0.2-0.8 s on a CPU, and reading one back takes ~0.1 s.
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+def program_store_dir() -> str | None:
+  """Where :class:`pipejax.programs.ProgramStore` keeps traced
+  programs: ``$PIPEJAX_PROGRAM_STORE`` (empty: off), by default
+  ``~/.cache/pipejax/programs``."""
+  path = os.environ.get('PIPEJAX_PROGRAM_STORE',
+                        os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'programs'))
+  return path or None

@@ -30,6 +30,7 @@ from pipejax import autodp, autopipe, distributed, freeze, pipeline, reporting
 from pipejax import partition as part
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 from pipejax.data import Loader
+from pipejax.programs import ProgramStore
 
 Params = Any
 PROFILE_ROUNDS = 2  # timed steps per micro-batch candidate
@@ -99,6 +100,11 @@ def _correct(metrics: dict) -> jax.Array:
   return metrics['correct'] if 'correct' in metrics else jnp.full((), jnp.nan, jnp.float32)
 
 
+def _spec(tree) -> Any:
+  """Arrays as shapes with their shardings (to compile against)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 def _zeros_like(x: jax.Array) -> jax.Array:
   """Zeros with ``x``'s sharding (compiled steps insist on their shardings)."""
   return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
@@ -137,7 +143,8 @@ class Trainer:
   def __init__(self, model: LayeredModel, params: Params, config, workdir: str,
                train_loader: Loader, eval_loader: Loader, devices=None,
                log: Callable[[str], None] = print,
-               evaluator: Callable[['Trainer', Params], dict] | None = None):
+               evaluator: Callable[['Trainer', Params], dict] | None = None,
+               program_store: str | None = None):
     self.model, self.config, self.workdir = model, config, workdir
     self.evaluator = evaluator
     self.train_loader, self.eval_loader = train_loader, eval_loader
@@ -157,15 +164,24 @@ class Trainer:
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices)
+    self.steps_per_epoch = train_loader.steps_per_epoch()
+    # What the programs of this run are traced from, besides the code and
+    # their arguments (the learning-rate schedule needs the steps per epoch);
+    # saving and resuming never enter a traced program.
+    traced_config = {k: v for k, v in config.to_dict().items() if k not in ('checkpoint', 'resume')}
+    self.programs = ProgramStore(program_store, {
+        'config': traced_config, 'model': model.name, 'hf': model.hf_config.to_dict(),
+        'steps_per_epoch': self.steps_per_epoch, 'fill': self.pipe.fill,
+        'devices': [int(d.id) for d in self.devices]}, log)
     self.prefix = FrozenPrefix(model, self.devices, train_loader.source,
                                make_cache(config, model, train_loader.source, params, workdir,
-                                          log, own_ids=train_loader.ids), c.cache.policy, log)
+                                          log, own_ids=train_loader.ids), c.cache.policy, log,
+                               programs=self.programs)
     self.profile = autopipe.MicroBatchProfile(
         c.pipeline.profile_path or None,
         {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,
          'batch_mode': c.train.batch_mode, 'devices': self.num_devices,
          'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule})
-    self.steps_per_epoch = train_loader.steps_per_epoch()
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval = None
@@ -174,7 +190,8 @@ class Trainer:
     self._ahead = None
     self._trials: dict[int, dict] = {}
     self._announced: set[int] = set()
-    self._portable: dict[part.Partition, Any] = {}
+    self._portable: dict[tuple, Any] = {}
+    self._portable_compiled: dict[tuple, Any] = {}
     self.transitions: list[Transition] = []
     self._first_step_pending = False  # time the first step after a transition
     self.micro_batch_timings: dict[int, dict[int, float]] = {}
@@ -249,7 +266,7 @@ class Trainer:
     policy's gradient-norm accumulators ``[L]`` and the running epoch sums
     ``[3]`` (loss, correct, count). Its structure is the same for every plan,
     so checkpoints are layout-free and cheap to write."""
-    portable = self._portable_fn(self.plan)(self.state)
+    portable = self._portable_compiled_for(self.plan, self._state_spec())(self.state)
     if self.plan.num_devices < self.num_devices:  # no AutoDP: spread to every device
       portable = jax.device_put(portable, NamedSharding(self._flat_mesh, P()))
     return portable
@@ -269,6 +286,15 @@ class Trainer:
       mesh = self._flat_mesh if plan.num_devices == self.num_devices else self.mesh(plan)
       self._portable[key] = jax.jit(portable, out_shardings=NamedSharding(mesh, P()))
     return self._portable[key]
+
+  def _portable_compiled_for(self, plan: pipeline.Plan, state_shapes: dict):
+    """:meth:`_portable_fn` of ``plan`` compiled for ``state_shapes`` (from
+    the program store when it has it)."""
+    key = (plan.partition, plan.num_devices)
+    if key not in self._portable_compiled:
+      self._portable_compiled[key] = self.programs.compile(
+          'portable', key, (state_shapes,), lambda: self._portable_fn(plan))
+    return self._portable_compiled[key]
 
   def canonical_params(self) -> Params:
     """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
@@ -417,18 +443,23 @@ class Trainer:
     return fn
 
   def _compile_step(self, plan: pipeline.Plan, state_shapes: dict, feed) -> None:
-    """Compiles ``plan``'s step unless its program is compiled already
-    (a freeze event that keeps K and the slot width reuses it)."""
+    """Compiles ``plan``'s step (or loads it from the program store)
+    unless its program is compiled already (a freeze event that keeps K and
+    the slot width reuses it)."""
     key = pipeline.program_key(plan)
     if key not in self._executables:
-      self._executables[key] = self._step_program(plan).lower(
-          state_shapes, feed, self.pipe.tables(plan)).compile()
+      self._executables[key] = self.programs.compile(
+          'step', key, (state_shapes, feed, self.pipe.tables(plan)),
+          lambda: self._step_program(plan), donate_argnums=(0,))
 
-  def _train_step(self, plan: pipeline.Plan):
+  def _train_step(self, plan: pipeline.Plan, feed: dict):
     """``plan``'s train step ``(state, feed) -> state``: its compiled
-    program (or the jitted one) with its slot tables bound."""
-    fn = self._executables.get(pipeline.program_key(plan)) or self._step_program(plan)
-    tables = self.pipe.tables(plan)
+    program (compiled now for the current state and ``feed`` if not yet)
+    with its slot tables bound."""
+    key = pipeline.program_key(plan)
+    if key not in self._executables:
+      self._compile_step(plan, _without_frozen(self._state_spec()), _spec(feed))
+    fn, tables = self._executables[key], self.pipe.tables(plan)
     return lambda state, feed: fn(state, feed, tables)
 
   def _feed(self, sample_ids: np.ndarray, batch: dict, plan: pipeline.Plan) -> dict:
@@ -440,8 +471,7 @@ class Trainer:
 
   def _state_spec(self) -> dict:
     """The current state as shapes with shardings (to compile against)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        self.state)
+    return _spec(self.state)
 
   def _run_step(self, fn, feed: dict) -> None:
     """One train step on the current state (the frozen prefix stays put)."""
@@ -509,12 +539,13 @@ class Trainer:
     for sample_ids, batch in loader.epoch(epoch, start_step):
       m, timed = self._next_micro_batches(self.plan)
       self.plan = dataclasses.replace(self.plan, micro_batches=m)
-      fn = self._train_step(self.plan)
+      feed = self._feed(sample_ids, batch, self.plan)
+      fn = self._train_step(self.plan, feed)
       first = self._first_step_pending
       if timed or first:  # time this step alone, not the tail of the one before
-        jax.block_until_ready(self.state)
+        jax.block_until_ready((self.state, feed))
       t0 = time.perf_counter()
-      self._run_step(fn, self._feed(sample_ids, batch, self.plan))
+      self._run_step(fn, feed)
       if timed or first:
         jax.block_until_ready(self.state['sums'])
         elapsed = time.perf_counter() - t0
@@ -608,15 +639,18 @@ class Trainer:
     start = time.perf_counter()
     mesh = self.mesh(plans[0])
     state_shapes = autodp.on_mesh(state_shapes, mesh)  # no AutoDP: K shrank, fewer devices
-    move, new_shapes = autodp.relayout_fn(state_shapes, old, new, mesh,
-                                          self.optimizer.init)
-    move = move.lower(state_shapes).compile()
+    move = self.programs.compile(
+        'move', (old, new), (state_shapes,),
+        lambda: autodp.relayout_fn(state_shapes, old, new, mesh, self.optimizer.init)[0],
+        donate_argnums=(0,))
+    new_shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              move.out_info, move.output_shardings)
     prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],
                                          sample_batch, self.batch_size(plans[0]))
     feed = prefixes.pop('feed')
     for plan in plans:
       self._compile_step(plan, _without_frozen(new_shapes), feed)
-    self._portable_fn(plans[0]).lower(new_shapes).compile()  # warms the persistent cache
+    self._portable_compiled_for(plans[0], new_shapes)
     return move, prefixes, time.perf_counter() - start
 
   def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:

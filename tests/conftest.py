@@ -6,6 +6,9 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
+# Runs started by tests keep their traced programs apart from the user's.
+os.environ.setdefault('PIPEJAX_PROGRAM_STORE', os.path.join(
+    os.path.expanduser('~'), '.cache', 'pipejax', 'programs-tests'))
 
 import warnings  # noqa: E402
 

@@ -1,0 +1,267 @@
+"""Traced programs kept on disk, so a later run compiles them without tracing.
+
+JAX's persistent compilation cache skips XLA's compiler but not the tracing
+and lowering that produce the program it is keyed by; for an elastic run's
+transition programs (the new step, the move of the state, the frozen
+prefix, the cache's advance) that Python work is most of the cost (about
+1 s per program on a CPU), and it runs on the training's cores while the
+next plan is compiled ahead. :class:`ProgramStore` keeps each program
+as a ``jax.export`` artifact (its StableHLO, shardings and trees) keyed by
+what its trace depends on, so a later run of the same configuration lowers
+the stored module instead of tracing Python (about 0.4 s with the compiled
+executable then read from JAX's persistent cache). A program is keyed by
+
+* the source of ``pipejax`` and ``models`` (a hash of every ``.py`` file),
+  the versions of JAX and the libraries that shape a program, ``XLA_FLAGS``
+  and the backend;
+* the run's identity given by the caller (the trainer passes its whole
+  configuration, the model's configuration and the steps per epoch, which
+  fix the learning-rate schedule baked into a step);
+* the program's name and key (plan, partitions, depths);
+* every argument's tree structure, shape, dtype and sharding (mesh axes,
+  device ids, partition spec).
+
+An entry that cannot be read back (truncated, corrupt, written by another
+build) is reported in one line, removed and traced afresh, never used.
+With several processes the store is off. (Serialized XLA executables are
+not stored: on the CPU, one that was itself read from JAX's cache loses its
+kernels when serialized again.)
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import pickle
+import time
+import uuid
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax import export as jax_export
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEFAULT_MAX_BYTES = 1 << 30
+_LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax', 'transformers', 'numpy')
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+  """A hash of the source of the packages whose functions are traced."""
+  import models  # noqa: PLC0415 - the sibling package of the model code
+  import pipejax  # noqa: PLC0415
+  digest = hashlib.sha256()
+  for package in (pipejax, models):
+    root = os.path.dirname(os.path.abspath(package.__file__))
+    for name in sorted(os.listdir(root)):
+      if name.endswith('.py'):
+        digest.update(name.encode())
+        with open(os.path.join(root, name), 'rb') as f:
+          digest.update(f.read())
+  return digest.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+  out = {}
+  for lib in _LIBRARIES:
+    try:
+      out[lib] = importlib.metadata.version(lib)
+    except importlib.metadata.PackageNotFoundError:
+      out[lib] = 'absent'
+  return out
+
+
+def _sharding_signature(sharding) -> Any:
+  if sharding is None:
+    return None
+  if isinstance(sharding, NamedSharding):
+    mesh = sharding.mesh
+    return ('named', tuple(mesh.axis_names), tuple(mesh.devices.shape),
+            tuple(int(d.id) for d in mesh.devices.flat), str(sharding.spec),
+            str(sharding.memory_kind))
+  return repr(sharding)
+
+
+def arguments_signature(args: tuple) -> str:
+  """Tree structure, shapes, dtypes and shardings of ``args`` (arrays or
+  ``jax.ShapeDtypeStruct``\\ s) as text."""
+  leaves, treedef = jax.tree.flatten(args)
+  return json.dumps([str(treedef)] + [
+      [list(x.shape), str(x.dtype), bool(getattr(x, 'weak_type', False)),
+       _sharding_signature(getattr(x, 'sharding', None))] for x in leaves], default=str)
+
+
+class ProgramStore:
+  """Exported programs under ``directory``, keyed as the module says.
+
+  Args:
+    directory: where entries go; None turns the store off (every program
+      is traced, lowered and compiled as usual).
+    identity: what the caller's programs depend on besides the code and the
+      arguments (JSON-serialisable; ``str`` is applied to anything else).
+    log: one-line messages (a corrupt entry).
+    max_bytes: the directory is trimmed to this size (least recently used
+      entries first) when the store opens.
+  """
+
+  def __init__(self, directory: str | None, identity: dict,
+               log: Callable[[str], None] = print, max_bytes: int = DEFAULT_MAX_BYTES):
+    if directory and jax.process_count() > 1:
+      directory = None
+    self.directory = os.path.expanduser(directory) if directory else None
+    self.log = log
+    self.hits = self.misses = self.corrupt = 0
+    self.load_seconds = self.compile_seconds = 0.0
+    backend = jax.devices()[0]
+    self._identity = hashlib.sha256(json.dumps(
+        {'code': code_fingerprint(), 'versions': _versions(),
+         'xla_flags': os.environ.get('XLA_FLAGS', ''), 'platform': backend.platform,
+         'device_kind': backend.device_kind, 'devices': jax.device_count(),
+         'caller': identity}, sort_keys=True, default=str).encode()).hexdigest()
+    if self.directory:
+      try:
+        os.makedirs(self.directory, exist_ok=True)
+        self._trim(max_bytes)
+      except OSError as e:
+        log(f'program store {self.directory} is unusable ({e}); tracing every program')
+        self.directory = None
+
+  @property
+  def enabled(self) -> bool:
+    return self.directory is not None
+
+  def path(self, name: str, key: Any, args: tuple) -> str:
+    digest = hashlib.sha256('\0'.join(
+        (self._identity, name, repr(key), arguments_signature(args))).encode()).hexdigest()
+    return os.path.join(self.directory, f'{name}-{digest[:40]}.jaxexport')
+
+  def compile(self, name: str, key: Any, args: tuple, build: Callable[[], Any],
+              donate_argnums: tuple[int, ...] = ()):
+    """The compiled ``build()`` (a ``jax.jit``-wrapped function, donating
+    ``donate_argnums``) for ``args``: from the stored program when there,
+    else traced, compiled and stored. ``build`` runs only on a miss."""
+    if not self.enabled:
+      return self._compile(build(), args)
+    path = self.path(name, key, args)
+    if os.path.exists(path):
+      t0 = time.perf_counter()
+      try:
+        compiled = self._load(path, args, donate_argnums)
+      except Exception as e:  # noqa: BLE001 - any unusable entry is traced afresh
+        self.corrupt += 1
+        self.log(f'program store: {os.path.basename(path)} is unusable '
+                 f'({type(e).__name__}: {str(e)[:160]}); removed and traced afresh')
+        _remove(path)
+      else:
+        self.hits += 1
+        self.load_seconds += time.perf_counter() - t0
+        _touch(path)  # recently used: kept by _trim
+        return compiled
+    self.misses += 1
+    jitted = build()
+    compiled = self._compile(jitted, args)
+    self._write(path, jitted, args, compiled)
+    return compiled
+
+  @staticmethod
+  def _load(path: str, args: tuple, donate_argnums: tuple[int, ...]):
+    """Compiles a stored program for ``args``: the exported module takes and
+    gives flat lists; the trees around it are the arguments' and the stored
+    output tree."""
+    with open(path, 'rb') as f:
+      blob, out_tree, out_shardings = pickle.load(f)
+    exported = jax_export.deserialize(bytearray(blob))
+
+    def call(*call_args):
+      return out_tree.unflatten(exported.call(*jax.tree.leaves(call_args)))
+
+    shardings = out_tree.unflatten([_rebuild(d) for d in out_shardings])
+    return jax.jit(call, donate_argnums=donate_argnums,
+                   out_shardings=shardings).lower(*args).compile()
+
+  def _compile(self, jitted, args):
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    self.compile_seconds += time.perf_counter() - t0
+    return compiled
+
+  def _write(self, path: str, jitted, args: tuple, compiled) -> None:
+    in_tree = jax.tree.structure(args)
+
+    def flat(*leaves):  # jax.export serializes only plain containers
+      return jax.tree.leaves(jitted(*in_tree.unflatten(leaves)))
+
+    try:
+      out_shardings = [_describe(s) for s in jax.tree.leaves(compiled.output_shardings)]
+      blob = bytes(jax_export.export(jax.jit(flat))(*jax.tree.leaves(args)).serialize())
+      entry = pickle.dumps((blob, compiled.out_tree, out_shardings))
+    except Exception as e:  # noqa: BLE001 - not storable: traced again next time
+      self.log(f'program store: cannot keep {os.path.basename(path)} '
+               f'({type(e).__name__}: {str(e)[:160]}); it is traced again next time')
+      return
+    tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+    try:
+      with open(tmp, 'wb') as f:
+        f.write(entry)
+      os.replace(tmp, path)
+    except OSError as e:
+      _remove(tmp)
+      self.log(f'program store: cannot write {path} ({e}); it is traced again next time')
+
+  def _trim(self, max_bytes: int) -> None:
+    entries = []
+    for name in os.listdir(self.directory):
+      full = os.path.join(self.directory, name)
+      try:
+        st = os.stat(full)
+      except OSError:
+        continue
+      if name.endswith('.tmp') and time.time() - st.st_mtime > 3600:
+        _remove(full)  # left by a killed writer
+      elif name.endswith('.jaxexport'):
+        entries.append((st.st_mtime, st.st_size, full))
+    total = sum(size for _, size, _ in entries)
+    for _, size, full in sorted(entries):
+      if total <= max_bytes:
+        break
+      _remove(full)
+      total -= size
+
+  def stats(self) -> dict:
+    return {'programs_loaded': self.hits, 'programs_traced': self.misses,
+            'programs_unusable': self.corrupt, 'program_load_seconds': self.load_seconds,
+            'program_trace_compile_seconds': self.compile_seconds}
+
+
+def _describe(sharding) -> tuple:
+  """A NamedSharding as plain data (its mesh by device ids)."""
+  if not isinstance(sharding, NamedSharding):
+    raise TypeError(f'output sharding {sharding!r} is not a NamedSharding')
+  mesh = sharding.mesh
+  return (tuple(mesh.axis_names), tuple(mesh.devices.shape),
+          tuple(int(d.id) for d in mesh.devices.flat), tuple(sharding.spec),
+          sharding.memory_kind)
+
+
+def _rebuild(description: tuple) -> NamedSharding:
+  axis_names, shape, ids, spec, memory_kind = description
+  by_id = {d.id: d for d in jax.devices()}
+  devices = np.array([by_id[i] for i in ids], dtype=object).reshape(shape)
+  return NamedSharding(Mesh(devices, axis_names), P(*spec), memory_kind=memory_kind)
+
+
+def _touch(path: str) -> None:
+  try:
+    os.utime(path)
+  except OSError:
+    pass
+
+
+def _remove(path: str) -> None:
+  try:
+    os.remove(path)
+  except OSError:
+    pass

@@ -1,0 +1,176 @@
+"""The program store: a stored program is compiled without tracing, gives the
+same bits as the traced one, keeps donation and shardings; unusable entries
+are reported and traced afresh; the key follows what the trace depends on;
+an elastic run that loads every transition program trains bit for bit like
+one that traces them."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pipejax.programs import ProgramStore
+from tests.test_trainer import _Bar, _config, _trainer
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()).reshape(2, 4), ('data', 'stage'))
+
+
+def _args():
+  """A state with an optax tree (not serializable by jax.export itself),
+  sharded over 'stage', and a batch split over 'data'."""
+  mesh = _mesh()
+  params = {'w': jnp.arange(32.0).reshape(4, 8), 'b': jnp.ones(8)}
+  opt = optax.adamw(0.1).init(params)
+  state = jax.device_put({'params': params, 'opt': opt, 'step': jnp.zeros((), jnp.int32)},
+                         NamedSharding(mesh, P()))
+  state['params']['w'] = jax.device_put(state['params']['w'], NamedSharding(mesh, P('stage')))
+  batch = jax.device_put(jnp.linspace(-1.0, 1.0, 16).reshape(2, 8), NamedSharding(mesh, P('data')))
+  return state, batch
+
+
+def _build(calls):
+  mesh = _mesh()
+  tx = optax.adamw(0.1)
+
+  def step(state, batch):
+    calls.append(1)
+    loss, grads = jax.value_and_grad(
+        lambda p: jnp.sum((batch @ p['w'].T) ** 2) + jnp.sum(p['b']))(state['params'])
+    updates, opt = tx.update(grads, state['opt'], state['params'])
+    return {'params': optax.apply_updates(state['params'], updates), 'opt': opt,
+            'step': state['step'] + 1}, loss
+
+  def shardings(state):
+    return jax.tree.map(lambda x: x.sharding, state)
+
+  return lambda: jax.jit(step, donate_argnums=0,
+                         out_shardings=(shardings(_args()[0]), NamedSharding(mesh, P())))
+
+
+def _spec(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _bits(tree):
+  """Every leaf's bytes (exact comparison, NaN-safe)."""
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_a_stored_program_is_compiled_without_tracing_and_gives_the_same_bits(tmp_path):
+  traced = []
+  first = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  state, batch = _args()
+  compiled = first.compile('step', ('k',), _spec((state, batch)), _build(traced),
+                           donate_argnums=(0,))
+  want = compiled(state, batch)
+  assert first.stats()['programs_traced'] == 1 and traced
+
+  def poisoned():
+    raise AssertionError('a stored program must not be traced again')
+
+  second = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  state, batch = _args()
+  loaded = second.compile('step', ('k',), _spec((state, batch)), poisoned, donate_argnums=(0,))
+  got = loaded(state, batch)
+  assert second.stats()['programs_loaded'] == 1 and second.stats()['programs_traced'] == 0
+  assert _bits(got) == _bits(want)
+  assert jax.tree.structure(got) == jax.tree.structure(want)  # the optax tree comes back
+  assert state['params']['w'].is_deleted()  # still donated
+  assert got[0]['params']['w'].sharding == NamedSharding(_mesh(), P('stage'))
+  # Chained: the loaded program's output is a valid input of itself.
+  again = loaded(got[0], batch)
+  assert int(again[0]['step']) == 2
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage'])
+def test_an_unusable_entry_is_reported_removed_and_traced_afresh(tmp_path, damage):
+  state, batch = _args()
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  want = store.compile('step', ('k',), _spec((state, batch)), _build([]),
+                       donate_argnums=(0,))(state, batch)
+  (path,) = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path)]
+  data = open(path, 'rb').read()
+  with open(path, 'wb') as f:
+    f.write(data[:len(data) // 2] if damage == 'truncate' else b'\x00not a program' * 50)
+  messages, traced = [], []
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=messages.append)
+  state, batch = _args()
+  got = store.compile('step', ('k',), _spec((state, batch)), _build(traced),
+                      donate_argnums=(0,))(state, batch)
+  assert traced and _bits(got) == _bits(want)
+  assert store.stats()['programs_unusable'] == 1
+  assert len(messages) == 1 and 'unusable' in messages[0] and 'traced afresh' in messages[0]
+  assert open(path, 'rb').read() != data[:len(data) // 2]  # rewritten, whole again
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  store.compile('step', ('k',), _spec(_args()), lambda: pytest.fail('traced'),
+                donate_argnums=(0,))
+  assert store.stats()['programs_loaded'] == 1
+
+
+def test_the_key_follows_identity_name_key_and_arguments(tmp_path):
+  state, batch = _args()
+  args = _spec((state, batch))
+  store = ProgramStore(str(tmp_path), {'run': 1})
+  base = store.path('step', ('k',), args)
+  assert base == ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args)
+  assert ProgramStore(str(tmp_path), {'run': 2}).path('step', ('k',), args) != base
+  assert store.path('move', ('k',), args) != base
+  assert store.path('step', ('j',), args) != base
+  wider = _spec((state, jnp.zeros((2, 9))))
+  assert store.path('step', ('k',), wider) != base
+  mesh = _mesh()
+  moved = _spec((jax.device_put(state, NamedSharding(mesh, P())), batch))
+  assert store.path('step', ('k',), moved) != base  # another sharding of 'w'
+  other_devices = Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ('data', 'stage'))
+  flipped = _spec((state, jax.device_put(batch, NamedSharding(other_devices, P('data')))))
+  assert store.path('step', ('k',), flipped) != base
+
+
+def test_off_without_a_directory(tmp_path):
+  traced = []
+  store = ProgramStore(None, {})
+  state, batch = _args()
+  store.compile('step', ('k',), _spec((state, batch)), _build(traced), donate_argnums=(0,))
+  store.compile('step', ('k',), _spec((state, batch)), _build(traced), donate_argnums=(0,))
+  assert len(traced) == 2 and not store.enabled and os.listdir(tmp_path) == []
+
+
+def test_an_elastic_run_from_stored_programs_trains_bit_for_bit(tmp_path):
+  """Freeze events with compression (K 4 -> 2), the cache on: the run that
+  loads its steps, moves, prefixes and portable programs from the store has
+  the per-epoch losses, state and plans of the run that traces them."""
+  def run(directory):
+    config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
+    with config.unlocked():
+      config.cache.policy = 'always'
+      config.freeze.compile_ahead = True
+    trainer, _ = _trainer(config)
+    if directory is not None:
+      trainer.programs = ProgramStore(str(directory), {'test': 'elastic'}, log=pytest.fail)
+      trainer.prefix.programs = trainer.programs
+    sample = next(iter(trainer.train_loader.epoch(0)))[1]
+    losses, plans = [], []
+    for epoch in range(3):
+      trainer.prepare_next(sample)
+      losses.append(trainer.train_epoch(epoch, _Bar())['train_loss'])
+      plans.append(trainer.plan.describe())
+      trainer.maybe_transition(epoch, sample)
+    return losses, plans, _bits(trainer.portable_state()), trainer.programs.stats()
+
+  want = run(None)
+  traced = run(tmp_path)
+  loaded = run(tmp_path)
+  assert traced[3]['programs_traced'] > 0 and traced[3]['programs_loaded'] == 0
+  assert loaded[3]['programs_loaded'] == traced[3]['programs_traced']
+  assert loaded[3]['programs_traced'] == 0
+  kinds = {n.split('-')[0] for n in os.listdir(tmp_path)}
+  assert kinds == {'step', 'move', 'prefix', 'advance', 'portable'}, kinds
+  assert 'K=4' in want[1][0] and 'K=4' not in want[1][-1], want[1]  # compressed
+  for got in (traced, loaded):
+    assert got[0] == want[0] and got[1] == want[1]
+    assert got[2] == want[2]
