@@ -25,7 +25,7 @@ the main job's config (``experiments.vit_imagenet``: the embedded default
 unless ``--config``/overrides say otherwise, passed to every run) and
 checkpoints off (``plain_dp`` writes none). Runs that parts share (e.g. the
 seed-0 ``full`` run) run once. ``--compile-cache warm`` (default) gives the
-runs a persistent compilation cache and M-profile in DIR, filled by one
+runs a persistent compilation cache, program store and M-profile in DIR, filled by one
 unreported run of each configuration first (a user's second run);
 ``shared`` the same caches without the unreported runs (cheaper; a run may
 find programs an earlier one compiled); ``cold`` gives every run empty ones (a
@@ -82,9 +82,11 @@ class Runner:
     env = dict(os.environ)
     if self.compile_cache in ('warm', 'shared'):
       env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(self.workdir, 'jax-cache')
+      env['PIPEJAX_PROGRAM_STORE'] = os.path.join(self.workdir, 'programs')
       profile = os.path.join(self.workdir, 'micro_batches.json')
     else:
       env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(workdir + '.jax-cache')
+      env['PIPEJAX_PROGRAM_STORE'] = os.path.join(workdir + '.programs')
       profile = workdir + '.micro_batches.json'
     cmd = [sys.executable, '-m', module, f'--workdir={workdir}', *self.passthrough, *args,
            '--config.checkpoint.enabled=False', f'--config.pipeline.profile_path={profile}']

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -140,6 +140,9 @@ class ActivationCache:
     self._passes = np.zeros(n, np.int64)   # frozen-block passes done for each sample
     self._memory: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()
+    # A batch computed on the devices and stored when its host copy is
+    # needed (see :meth:`defer`): (ids, depth, values getter) or None.
+    self._pending: tuple[np.ndarray, int, Callable[[], Any]] | None = None
     self._counts = dict.fromkeys(
         ['hits', 'misses', 'advanced', 'uncached', 'corrupt', 'evicted', 'prefetched',
          'layer_passes', 'repeated_layer_passes'], 0)
@@ -202,23 +205,28 @@ class ActivationCache:
   # -- queries ------------------------------------------------------------------
   def contains(self, sample_ids: np.ndarray) -> np.ndarray:
     """``[n]`` bool: which IDs have an entry at the current depth."""
+    self._settle()
     ids = self._check_ids(sample_ids)
     return (self._tier[ids] != NONE) & (self._depth[ids] == self.depth)
 
   def depths(self, sample_ids: np.ndarray) -> np.ndarray:
     """``[n]`` int32: each ID's entry depth (-1: not cached)."""
+    self._settle()
     return self._depth[self._check_ids(sample_ids)].copy()
 
   def cached_ids(self) -> np.ndarray:
     """The sorted IDs that have an entry (at any depth)."""
+    self._settle()
     return np.nonzero(self._tier != NONE)[0]
 
   def layer_passes_per_sample(self) -> np.ndarray:
     """``[num_samples]``: frozen-block passes the cache asked for, per sample."""
+    self._settle()
     return self._passes.copy()
 
   def repeated_samples(self) -> np.ndarray:
     """IDs that went through some frozen block more than once."""
+    self._settle()
     return np.nonzero(self._passes > self._reached)[0]
 
   def stats(self) -> dict[str, float]:
@@ -226,6 +234,7 @@ class ActivationCache:
     uncached (computed but beyond both budgets), corrupt, evicted, prefetched,
     layer_passes, repeated_layer_passes, entries and bytes per tier, peak
     memory bytes, and read / write / prefetch seconds."""
+    self._settle()
     with self._lock:
       memory = len(self._memory) * self.entry_bytes + self._staged_bytes
       disk_entries = int(np.sum(self._tier == DISK))
@@ -367,6 +376,7 @@ class ActivationCache:
     Returns:
       ``[batch, *entry_shape]`` float32.
     """
+    self._settle()
     ids = self._check_own(self._check_ids(sample_ids))
     self._follow_plan(ids)
     unique, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
@@ -394,6 +404,40 @@ class ActivationCache:
     if len(changed):
       self._store(unique[changed], values[changed], self.depth)
     return values[inverse.reshape(-1)]
+
+  def is_new(self, sample_ids: np.ndarray) -> bool:
+    """Whether no ID of the batch has an entry (at any depth) and none
+    repeats: such a batch may be served by :meth:`defer`."""
+    self._settle()
+    ids = self._check_own(self._check_ids(sample_ids))
+    return bool(len(ids)) and len(np.unique(ids)) == len(ids) and not np.any(
+        self._tier[ids] != NONE)
+
+  def defer(self, sample_ids: np.ndarray, compute_fn: Callable[[], Any]) -> None:
+    """The first pass over a new batch (:meth:`is_new`) without a round trip
+    through the host: the caller computes the batch's prefix output (e.g. on
+    the devices, not waited for) and uses it directly; ``compute_fn() ->
+    [batch, *entry_shape]`` gives its host copy, which is stored and counted
+    as misses at the cache's next use (any later call).
+    """
+    if not self.is_new(sample_ids):
+      raise ValueError('defer() needs a batch of new, distinct sample IDs (see is_new)')
+    ids = self._check_ids(sample_ids)
+    self._follow_plan(ids)
+    self._pending = (ids, self.depth, compute_fn)
+
+  def _settle(self) -> None:
+    """Stores the batch :meth:`defer` left (its host copy is ready by now)."""
+    if self._pending is None:
+      return
+    ids, depth, compute_fn = self._pending
+    self._pending = None
+    if depth != self.depth:
+      raise RuntimeError(f'a deferred batch of depth {depth} meets the cache at {self.depth}')
+    values = self._call(lambda rows: compute_fn(), ids)
+    self._count_passes(ids, np.zeros(len(ids), np.int64), depth)
+    self._counts['misses'] += len(ids)
+    self._store(ids, values, depth)
 
   def _call(self, fn, *args) -> np.ndarray:
     out = np.asarray(fn(*args), np.float32)
@@ -500,6 +544,7 @@ class ActivationCache:
 
   def stop_prefetch(self) -> None:
     """Stops the read-ahead thread and releases what it staged."""
+    self._settle()
     thread, self._thread = getattr(self, '_thread', None), None
     if thread is not None:
       with self._lock:

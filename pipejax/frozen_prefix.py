@@ -257,6 +257,14 @@ class FrozenPrefix:
 
     if not self.use_cache:
       return {'hidden': compute(), **rest}
+    if self.processes == 1 and self.cache.is_new(sample_ids):
+      # A batch seen for the first time feeds the step straight from the
+      # devices; its host copy is stored when the cache is next used, so the
+      # host never waits for the prefix in the middle of the step stream.
+      hidden = compute()
+      hidden.copy_to_host_async()
+      self.cache.defer(sample_ids, lambda: np.asarray(hidden))
+      return {'hidden': hidden, **rest}
     hidden = self.cache.fetch(sample_ids, compute if self.processes == 1 else compute_here,
                               lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h, d0))
     return {'hidden': distributed.put_batch(hidden, data), **rest}

@@ -151,6 +151,53 @@ def test_each_sample_passes_each_frozen_layer_once(tmp_path, eager):
   np.testing.assert_array_equal(cache.depths(np.arange(n)), np.full(n, 9))
 
 
+def test_a_deferred_first_pass_is_stored_at_the_next_use_and_counted_once(tmp_path):
+  """The trainer's first pass over new samples: the batch is used as
+  computed and its host copy is stored at the cache's next use. Over depth
+  changes, memory and disk, values, counters and the fake's own pass count
+  match fetching everything."""
+  n, batch = 24, 6
+  fake = FakePrefix(n)
+  cache = make_cache(tmp_path, num_samples=n, memory_bytes=9 * ENTRY, disk_bytes=1 << 20,
+                     prefetch_bytes=0)
+  copies = []
+  for epoch, depth in enumerate([3, 3, 5, 5]):
+    cache.advance(depth, fake.advance_fn, batch_size=5)
+    for ids in epoch_batches(n, batch, epoch):
+      if cache.is_new(ids):
+        computed = fake.compute_fn(ids, depth)(np.arange(len(ids)))
+        cache.defer(ids, lambda c=computed: copies.append(1) or c)
+        pending = len(copies)
+        got = computed
+        assert cache.depths(ids).min() == depth  # any query stores it first
+        assert len(copies) == pending + 1
+      else:
+        got = cache.fetch(ids, fake.compute_fn(ids, depth), fake.advance_fn)
+      np.testing.assert_array_equal(got, fake.direct(ids, depth))
+  stats = cache.stats()
+  assert len(copies) == n // batch  # the first epoch only, each batch once
+  assert (stats['misses'], stats['hits']) == (n, 3 * n)
+  assert stats['layer_passes'] == n * 5 == fake.passes.sum() and stats['repeated_layer_passes'] == 0
+  assert stats['disk_entries'] == n - 9
+  with pytest.raises(ValueError, match='new, distinct sample IDs'):
+    cache.defer(np.arange(batch), lambda: None)  # cached already
+  assert not cache.is_new(np.array([0, 0]))
+
+
+def test_a_deferred_batch_is_stored_before_a_depth_change():
+  fake = FakePrefix(8)
+  cache = make_cache(num_samples=8)
+  cache.advance(2)
+  ids = np.arange(8)
+  cache.defer(ids, lambda: fake.compute_fn(ids, 2)(np.arange(8)))
+  cache.advance(4, fake.advance_fn)  # the deferred entries are advanced, not lost
+  np.testing.assert_array_equal(cache.fetch(ids, fake.compute_fn(ids, 4), fake.advance_fn),
+                                fake.direct(ids, 4))
+  stats = cache.stats()
+  assert (stats['misses'], stats['advanced'], stats['hits']) == (8, 8, 8)
+  assert stats['repeated_layer_passes'] == 0
+
+
 def test_without_advance_fn_stale_entries_are_recomputed_and_counted():
   fake = FakePrefix(8)
   cache = make_cache(num_samples=8)
