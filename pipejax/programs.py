@@ -161,18 +161,31 @@ class ProgramStore:
         _touch(path)  # recently used: kept by _trim
         return compiled
     self.misses += 1
+    t0 = time.perf_counter()
     jitted = build()
-    compiled = self._compile(jitted, args)
-    self._write(path, jitted, args, compiled)
+    entry = self._export(path, jitted, args)
+    if entry is None:  # not storable: compiled as traced
+      compiled = jitted.lower(*args).compile()
+    else:
+      # Compiled from the stored form even now, so that JAX's compilation
+      # cache holds the very program later runs compile.
+      compiled = self._from_entry(entry, args, donate_argnums)
+      self._write(path, entry)
+    self.compile_seconds += time.perf_counter() - t0
     return compiled
 
+  @classmethod
+  def _load(cls, path: str, args: tuple, donate_argnums: tuple[int, ...]):
+    with open(path, 'rb') as f:
+      entry = f.read()
+    return cls._from_entry(entry, args, donate_argnums)
+
   @staticmethod
-  def _load(path: str, args: tuple, donate_argnums: tuple[int, ...]):
+  def _from_entry(entry: bytes, args: tuple, donate_argnums: tuple[int, ...]):
     """Compiles a stored program for ``args``: the exported module takes and
     gives flat lists; the trees around it are the arguments' and the stored
     output tree."""
-    with open(path, 'rb') as f:
-      blob, out_tree, out_shardings = pickle.load(f)
+    blob, out_tree, out_shardings = pickle.loads(entry)
     exported = jax_export.deserialize(bytearray(blob))
 
     def call(*call_args):
@@ -188,20 +201,26 @@ class ProgramStore:
     self.compile_seconds += time.perf_counter() - t0
     return compiled
 
-  def _write(self, path: str, jitted, args: tuple, compiled) -> None:
+  def _export(self, path: str, jitted, args: tuple) -> bytes | None:
+    """The store's entry for ``jitted`` at ``args`` (None, with one line, if
+    it cannot be exported)."""
     in_tree = jax.tree.structure(args)
 
     def flat(*leaves):  # jax.export serializes only plain containers
       return jax.tree.leaves(jitted(*in_tree.unflatten(leaves)))
 
     try:
-      out_shardings = [_describe(s) for s in jax.tree.leaves(compiled.output_shardings)]
-      blob = bytes(jax_export.export(jax.jit(flat))(*jax.tree.leaves(args)).serialize())
-      entry = pickle.dumps((blob, compiled.out_tree, out_shardings))
+      out_info = jitted.trace(*args).lower().out_info
+      out_tree = jax.tree.structure(out_info)
+      out_shardings = [_describe(o.sharding) for o in jax.tree.leaves(out_info)]
+      exported = jax_export.export(jax.jit(flat))(*jax.tree.leaves(args))
+      return pickle.dumps((bytes(exported.serialize()), out_tree, out_shardings))
     except Exception as e:  # noqa: BLE001 - not storable: traced again next time
       self.log(f'program store: cannot keep {os.path.basename(path)} '
                f'({type(e).__name__}: {str(e)[:160]}); it is traced again next time')
-      return
+      return None
+
+  def _write(self, path: str, entry: bytes) -> None:
     tmp = f'{path}.{uuid.uuid4().hex}.tmp'
     try:
       with open(tmp, 'wb') as f:
