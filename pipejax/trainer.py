@@ -16,6 +16,8 @@ import concurrent.futures
 import dataclasses
 import json
 import math
+import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -98,6 +100,17 @@ def _correct(metrics: dict) -> jax.Array:
   """The summed ``correct`` of a step's metrics; NaN for a regression head
   (no accuracy: the epoch's ``train_accuracy`` is then None)."""
   return metrics['correct'] if 'correct' in metrics else jnp.full((), jnp.nan, jnp.float32)
+
+
+def _background_priority() -> None:
+  """Gives the calling thread (the one that prepares the next plan) the
+  lowest CPU priority (Linux: per-thread nice 19), so it fills the cores'
+  idle moments instead of slowing the training step's device threads; a
+  transition that has to wait for it leaves it the cores."""
+  try:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+  except (AttributeError, OSError):
+    pass  # not Linux, or not permitted: normal priority
 
 
 def _spec(tree) -> Any:
@@ -186,7 +199,8 @@ class Trainer:
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval = None
     self._executables: dict[tuple, Any] = {}  # compiled steps, by pipeline.program_key
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                       initializer=_background_priority)
     self._ahead = None
     self._trials: dict[int, dict] = {}
     self._announced: set[int] = set()
@@ -746,7 +760,8 @@ class Trainer:
     self._run_start = time.perf_counter()
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
-      self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+      self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                       initializer=_background_priority)
     by_steps = bool(self.config.freeze.timestep_steps)
     if by_steps:
       self.prepare_next(sample_batch)

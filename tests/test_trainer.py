@@ -1,5 +1,8 @@
 """Trainer: frozen weights stay bit-identical, transitions keep training state,
 per-layer gradient norms, and the elastic run end to end."""
+import os
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +186,14 @@ def test_without_autodp_one_pipeline_on_k_devices_same_losses():
   k = trainer.plan.pipeline_length  # the state lives on the first K devices only
   used = {d for leaf in jax.tree.leaves(trainer.state) for d in leaf.sharding.device_set}
   assert used == set(trainer.devices[:k])
+
+
+@pytest.mark.skipif(not hasattr(os, 'setpriority'), reason='per-thread priority is Linux only')
+def test_the_next_plan_is_prepared_at_the_lowest_cpu_priority():
+  """Compile-ahead must fill idle cores, not slow the steps: its thread runs at
+  nice 19 while the training thread keeps its own priority."""
+  trainer, _ = _trainer(_config())
+  mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+  theirs = trainer._pool.submit(  # noqa: SLF001
+      lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+  assert theirs == 19 and mine == os.getpriority(os.PRIO_PROCESS, 0)  # ours unchanged
