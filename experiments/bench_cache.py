@@ -13,9 +13,10 @@ the median total time represents it (all totals are in the JSON).
 
 A first, unreported run of each variant warms JAX's persistent compilation
 cache and the program store (its key includes the configuration), so no
-variant pays for tracing or compiling what a user's second run would not. Prints a table, writes ``DIR/bench_cache.json`` (per-epoch
-throughput, total seconds, accuracy, cache counters, and the frozen-forward
-time the cache saved) and ``DIR/bench_cache.png``.
+variant pays for tracing or compiling what a user's second run would not.
+Prints a table, writes ``DIR/bench_cache.json`` (per-epoch throughput, total
+seconds, accuracy, cache counters, and the frozen-forward time the cache
+saved) and ``DIR/bench_cache.png``.
 
 Extra arguments are passed to every run, e.g. ``--config.train.epochs=5``.
 """

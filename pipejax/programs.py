@@ -75,14 +75,7 @@ def _versions() -> dict[str, str]:
 
 
 def _sharding_signature(sharding) -> Any:
-  if sharding is None:
-    return None
-  if isinstance(sharding, NamedSharding):
-    mesh = sharding.mesh
-    return ('named', tuple(mesh.axis_names), tuple(mesh.devices.shape),
-            tuple(int(d.id) for d in mesh.devices.flat), str(sharding.spec),
-            str(sharding.memory_kind))
-  return repr(sharding)
+  return _describe(sharding) if isinstance(sharding, NamedSharding) else repr(sharding)
 
 
 def arguments_signature(args: tuple) -> str:
@@ -142,11 +135,10 @@ class ProgramStore:
               donate_argnums: tuple[int, ...] = ()):
     """The compiled ``build()`` (a ``jax.jit``-wrapped function, donating
     ``donate_argnums``) for ``args``: from the stored program when there,
-    else traced, compiled and stored. ``build`` runs only on a miss."""
-    if not self.enabled:
-      return self._compile(build(), args)
-    path = self.path(name, key, args)
-    if os.path.exists(path):
+    else traced and compiled (and stored, with the store on). ``build`` runs
+    only then."""
+    path = self.path(name, key, args) if self.enabled else None
+    if path is not None and os.path.exists(path):
       t0 = time.perf_counter()
       try:
         compiled = self._load(path, args, donate_argnums)
@@ -163,8 +155,8 @@ class ProgramStore:
     self.misses += 1
     t0 = time.perf_counter()
     jitted = build()
-    entry = self._export(path, jitted, args)
-    if entry is None:  # not storable: compiled as traced
+    entry = None if path is None else self._export(path, jitted, args)
+    if entry is None:  # store off, or not storable: compiled as traced
       compiled = jitted.lower(*args).compile()
     else:
       # Compiled from the stored form even now, so that JAX's compilation
@@ -194,12 +186,6 @@ class ProgramStore:
     shardings = out_tree.unflatten([_rebuild(d) for d in out_shardings])
     return jax.jit(call, donate_argnums=donate_argnums,
                    out_shardings=shardings).lower(*args).compile()
-
-  def _compile(self, jitted, args):
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    self.compile_seconds += time.perf_counter() - t0
-    return compiled
 
   def _export(self, path: str, jitted, args: tuple) -> bytes | None:
     """The store's entry for ``jitted`` at ``args`` (None, with one line, if
