@@ -52,7 +52,10 @@ def _run(workdir: str, args: list[str]) -> dict:
 def _forward_saved(summary: dict, rows: list[dict], batch: int) -> float:
   """Seconds of frozen-prefix forward the cache replaced: every hit or
   advanced entry saved its share of a batch forward at the depth measured by
-  the profiler, less the time spent reading and writing entries."""
+  the profiler, less the time spent reading and writing entries. A depth the
+  profiler did not re-measure (a filled cache kept, ``measured_at`` below the
+  depth) counts the forward of the shallower depth it was measured at, so
+  the figure is a lower bound."""
   forward = {d['num_frozen_layers']: d['forward_seconds'] for d in summary['cache_decisions']}
   saved, hits_before = 0.0, 0
   for row in rows:

@@ -5,7 +5,11 @@ Caching costs a write the first epoch at a depth and a read every epoch after;
 running the prefix costs its forward every epoch, growing with the depth. The
 paper measured that caching pays from 3 frozen layers for ViT-B and 5 for
 BERT-large on its hardware; here the decision comes from timings measured on
-the machine at hand, and is taken again at every depth change.
+the machine at hand, and is taken again at every depth change — measured,
+unless :func:`keep_caching` proves the answer: a filled cache that beat the
+forward at depth F beats it at every deeper F' (its entries have the same shape
+at every depth, so a read costs the same; the forward through F' blocks costs
+at least the forward through F).
 
 The trainer, per depth F (after a freeze event, or at the start)::
 
@@ -42,9 +46,19 @@ class CachingDecision:
   filled: bool
   seconds_without: float
   seconds_with: float
+  # The depth whose forward was timed: ``num_frozen_layers``, or a smaller
+  # depth for a decision kept by :func:`keep_caching` (whose forward and
+  # ``seconds_without`` are then lower bounds).
+  measured_at: int | None = None
 
   def describe(self) -> str:
     verdict = 'use the cache' if self.use_cache else 'run the prefix'
+    if self.measured_at is not None and self.measured_at != self.num_frozen_layers:
+      return (f'autocache: F={self.num_frozen_layers}: {verdict} (not re-measured: at '
+              f'F={self.measured_at} the filled cache read {self.read_seconds:.4f}s per batch '
+              f'against a {self.forward_seconds:.4f}s forward, and a deeper prefix only costs '
+              f'more; over {self.epochs_ahead} epochs: cache {self.seconds_with:.4f}s vs forward '
+              f'>= {self.seconds_without:.4f}s)')
     return (f'autocache: F={self.num_frozen_layers}: {verdict} (per batch over '
             f'{self.epochs_ahead} epochs: cache {self.seconds_with:.4f}s vs forward '
             f'{self.seconds_without:.4f}s; forward {self.forward_seconds:.4f}s, read '
@@ -74,7 +88,32 @@ def decide_caching(num_frozen_layers: int, forward_seconds: float, read_seconds:
     with_cache = forward_seconds + write_seconds + (epochs_ahead - 1) * read_seconds
   use = num_frozen_layers > 0 and with_cache < without
   return CachingDecision(num_frozen_layers, use, forward_seconds, read_seconds, write_seconds,
-                         epochs_ahead, filled, without, with_cache)
+                         epochs_ahead, filled, without, with_cache, num_frozen_layers)
+
+
+def keep_caching(previous: CachingDecision | None, num_frozen_layers: int,
+                 epochs_ahead: int) -> CachingDecision | None:
+  """The decision at depth ``num_frozen_layers`` without timing anything,
+  when ``previous`` settles it; else None (measure).
+
+  It does when ``previous`` chose the cache with its entries filled (so its
+  read time is that of the entries as they are stored, in whichever tier) at
+  a smaller depth: the entries keep their shape and tier when advanced, and
+  the forward through more blocks takes longer, so the cache wins again. A
+  decision taken on an empty cache is not enough (its read time was measured
+  before the tiers filled).
+  """
+  if (previous is None or not previous.use_cache or not previous.filled
+      or num_frozen_layers <= previous.num_frozen_layers):
+    return None
+  if epochs_ahead < 1:
+    raise ValueError(f'epochs_ahead must be >= 1, got {epochs_ahead}')
+  measured_at = (previous.num_frozen_layers if previous.measured_at is None
+                 else previous.measured_at)
+  return CachingDecision(num_frozen_layers, True, previous.forward_seconds,
+                         previous.read_seconds, previous.write_seconds, epochs_ahead, True,
+                         epochs_ahead * previous.forward_seconds,
+                         epochs_ahead * previous.read_seconds, measured_at)
 
 
 class CachingProfiler:

@@ -13,10 +13,12 @@ every batch, either
   (:meth:`FrozenPrefix.change_depth`), so no sample passes a frozen layer
   twice.
 
-Whether the cache serves a depth is measured, not assumed: at every depth
-change the prefix's forward over one batch is timed against a cache read and
-write of the same batch (:mod:`pipejax.autocache_policy`), and the decision is
-logged with its inputs. ``policy='always'`` caches from the first frozen layer.
+Whether the cache serves a depth is measured, not assumed: at a depth change
+the prefix's forward over one batch is timed against a cache read and write of
+the same batch (:mod:`pipejax.autocache_policy`), and the decision is logged
+with its inputs; after a filled cache has won, a deeper depth keeps it without
+timing (:func:`pipejax.autocache_policy.keep_caching`: the read costs the same,
+the forward more). ``policy='always'`` caches from the first frozen layer.
 
 Several processes (hosts, paper App. D.1): each process's cache holds only the
 samples of its own data shards, which stay on that process for the whole run
@@ -311,7 +313,16 @@ class FrozenPrefix:
     depth = plan.partition.num_frozen_layers
     stats = self.cache.stats()
     filled = self.use_cache and stats['memory_entries'] + stats['disk_entries'] > 0
-    self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
+    # Settled without timing when the cache served the last depth from filled
+    # entries (the same on every process: decisions are taken jointly).
+    kept = autocache_policy.keep_caching(self.decisions[-1] if self.decisions else None,
+                                         depth, max(epochs_ahead, 1)) if self.use_cache else None
+    if kept is not None:
+      self.decisions.append(kept)
+      self.log('  ' + kept.describe())
+      self.use_cache = True
+    else:
+      self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
     if self.use_cache and filled:  # this process's entries (a local computation)
       self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
                                                                           d0),

@@ -1,5 +1,6 @@
 """AutoCache: exact values, one pass per frozen layer, budgets, disk safety,
 prefetch, the caching decision, and the multi-host sampler it relies on."""
+import dataclasses
 import os
 import threading
 import time
@@ -609,3 +610,27 @@ def test_loader_batch_ids_match_its_epochs():
   last_ids, last = list(Loader(source, 5, shuffle=False, drop_remainder=False).epoch(0))[-1]
   np.testing.assert_array_equal(last_ids, [20, 21, 22, 20, 21])
   np.testing.assert_array_equal(last['example_mask'], [1, 1, 1, 0, 0])
+
+
+def test_keep_caching_only_after_a_filled_cache_won():
+  from pipejax.autocache_policy import CachingDecision, keep_caching
+  filled = decide_caching(4, 0.10, 0.002, 0.003, epochs_ahead=3, filled=True)
+  empty = decide_caching(4, 0.10, 0.002, 0.003, epochs_ahead=3)
+  lost = decide_caching(4, 0.001, 0.002, 0.003, epochs_ahead=3, filled=True)
+  assert filled.use_cache and empty.use_cache and not lost.use_cache
+  # Not settled: nothing before, an empty cache, a lost comparison, not deeper.
+  for previous, depth in ((None, 6), (empty, 6), (lost, 6), (filled, 4), (filled, 3)):
+    assert keep_caching(previous, depth, epochs_ahead=2) is None
+  kept = keep_caching(filled, 6, epochs_ahead=2)
+  assert (kept.num_frozen_layers, kept.use_cache, kept.filled, kept.measured_at) == (6, True, True, 4)
+  assert kept.seconds_with == pytest.approx(0.004) and kept.seconds_without == pytest.approx(0.2)
+  assert 'F=6: use the cache (not re-measured: at F=4' in kept.describe()
+  # A chain keeps the depth that was measured.
+  assert keep_caching(kept, 7, epochs_ahead=1).measured_at == 4
+  with pytest.raises(ValueError, match='epochs_ahead'):
+    keep_caching(filled, 6, epochs_ahead=0)
+  # Decisions saved before measured_at existed restore (checkpoint meta).
+  old = {k: v for k, v in dataclasses.asdict(filled).items() if k != 'measured_at'}
+  restored = CachingDecision(**old)
+  assert restored.measured_at is None and keep_caching(restored, 6, 1).measured_at == 4
+  assert 'F=4: use the cache (per batch' in restored.describe()

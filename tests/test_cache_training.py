@@ -89,3 +89,42 @@ def test_randomly_augmented_input_is_not_cached_unless_accepted():
                        trainer.canonical_params(), '/nonexistent', messages.append)
     assert (cache is not None) == accept
     assert len(messages) == 1 and 'randomly augmented' in messages[0]
+
+
+def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeypatch):
+  from pipejax.frozen_prefix import FrozenPrefix
+  timed = []
+  decide = FrozenPrefix._decide
+
+  def counted(self, plan, *args):
+    depth = plan.partition.num_frozen_layers
+    # Poison: only the first depth (empty cache) and the first filled one may be timed.
+    assert len(timed) < 2, f'depth {depth} was timed again'
+    timed.append(depth)
+    return decide(self, plan, *args)
+
+  monkeypatch.setattr(FrozenPrefix, '_decide', counted)
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=4)
+  with config.unlocked():
+    config.cache.update(policy='profile')
+  lines = []
+  trainer, _ = _trainer(config, num_layers=6)
+  trainer.prefix.log = lines.append
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  for epoch in range(3):
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+  decisions = trainer.prefix.decisions
+  assert [t.frozen_layers for t in trainer.transitions] == [3, 4, 5] and timed == [3, 4]
+  assert [(d.num_frozen_layers, d.measured_at, d.filled, d.use_cache) for d in decisions] == [
+      (3, 3, False, True), (4, 4, True, True), (5, 4, True, True)]
+  kept = decisions[-1]
+  assert (kept.read_seconds, kept.forward_seconds) == (decisions[1].read_seconds,
+                                                       decisions[1].forward_seconds)
+  assert any('F=5: use the cache (not re-measured: at F=4' in line for line in lines), lines
+  # The kept depth is served from the advanced entries: every sample passed
+  # each of the 5 frozen blocks once.
+  trainer.train_epoch(3, _Bar())
+  stats = trainer.prefix.cache.stats()
+  assert stats['repeated_layer_passes'] == 0 and stats['layer_passes'] == 64 * 5
+  np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 5)
