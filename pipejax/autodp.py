@@ -11,6 +11,8 @@ step counters (hence the learning-rate schedule) are kept.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import jax
@@ -68,25 +70,28 @@ def map_param_trees(fn, tree, template=None):
   return tree
 
 
-def state_shardings(state_shapes: dict, mesh: Mesh) -> dict:
-  """Shardings of a trainer state on ``mesh``: stage-layout trees over
+def state_specs(state_shapes: dict) -> dict:
+  """PartitionSpecs of a trainer state: stage-layout trees over
   ``'stage'``, everything else replicated."""
-  replicated = NamedSharding(mesh, P())
-
-  def stage_tree(t):
-    return pipeline.stage_param_shardings(t, mesh)
+  def is_spec(x):
+    return isinstance(x, P)
 
   out = {}
   for key, value in state_shapes.items():
     if key == 'active':
-      out[key] = stage_tree(value)
+      out[key] = pipeline.stage_param_specs(value)
     elif key == 'opt':
-      out[key] = map_param_trees(stage_tree, value)
-      out[key] = jax.tree.map(lambda x: x if isinstance(x, NamedSharding) else replicated,
-                              out[key], is_leaf=lambda x: isinstance(x, NamedSharding))
+      out[key] = map_param_trees(pipeline.stage_param_specs, value)
+      out[key] = jax.tree.map(lambda x: x if is_spec(x) else P(), out[key], is_leaf=is_spec)
     else:
-      out[key] = jax.tree.map(lambda _: replicated, value)
+      out[key] = jax.tree.map(lambda _: P(), value)
   return out
+
+
+def state_shardings(state_shapes: dict, mesh: Mesh) -> dict:
+  """Shardings of a trainer state on ``mesh`` (see :func:`state_specs`)."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(state_shapes),
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def on_mesh(tree, mesh: Mesh):
@@ -125,7 +130,10 @@ def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, me
   if new.num_frozen_layers < old.num_frozen_layers:
     raise ValueError(f'cannot unfreeze: {old.num_frozen_layers} -> {new.num_frozen_layers}')
 
+  replicated = NamedSharding(mesh, P())
+
   def move(state):
+    state = gathered_stages(state, replicated)
     canonical = part.from_stage_params(state['active'], old, state['frozen'])
     out = dict(state)
     out['frozen'] = part.frozen_prefix(canonical, new.num_frozen_layers)
@@ -146,6 +154,38 @@ def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, me
                             shapes, shardings)
   # Donated: the old layout is dead after the move, so it never coexists with the new one.
   return jax.jit(move, out_shardings=shardings, donate_argnums=0), new_shapes
+
+
+def gathered_stages(state: dict, replicated: NamedSharding) -> dict:
+  """``state`` (traced inside ``jax.jit``) with every stage-sharded leaf (the
+  ``'attention'``/``'mlp'`` stacks of ``active`` and of the optimizer's
+  moments) replicated with ``replicated``, in one all-gather per dtype.
+
+  Left to itself, the partitioner moves each leaf's slots between stages with
+  their own collectives (498 collective-permutes for the default model's
+  relayout, each a rendezvous of every device); packing the stacks of each
+  stage into one row ``[K, n]`` first needs no communication (they all split
+  their first axis over ``'stage'``), and the gathered row is sliced back into
+  the leaves. The relayout then runs on replicated values and hands each
+  device its part of the new layout without further communication. Exact: a
+  gather copies bits. Costs, for the duration of the move, the whole
+  stage-layout state on every device.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  staged = [i for i, spec in enumerate(treedef.flatten_up_to(state_specs(state)))
+            if spec != P()]
+  out = list(leaves)
+  for dtype in sorted({leaves[i].dtype for i in staged}, key=str):
+    group = [i for i in staged if leaves[i].dtype == dtype]
+    k = leaves[group[0]].shape[0]
+    row = jnp.concatenate([leaves[i].reshape(k, -1) for i in group], axis=1)
+    row = jax.lax.with_sharding_constraint(row, replicated)
+    offset = 0
+    for i in group:
+      size = math.prod(leaves[i].shape[1:])
+      out[i] = row[:, offset:offset + size].reshape(leaves[i].shape)
+      offset += size
+  return jax.tree.unflatten(treedef, out)
 
 
 def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,

@@ -289,7 +289,10 @@ class Trainer:
     partition = plan.partition
     key = (partition, plan.num_devices)
     if key not in self._portable:
+      mesh = self._flat_mesh if plan.num_devices == self.num_devices else self.mesh(plan)
+
       def portable(s):
+        s = autodp.gathered_stages(s, NamedSharding(mesh, P()))  # one collective, not hundreds
         zeros = jax.tree.map(jnp.zeros_like, s['frozen'])
         return {'params': part.from_stage_params(s['active'], partition, s['frozen']),
                 'opt': autodp.map_param_trees(
@@ -297,7 +300,6 @@ class Trainer:
                 'step': s['step'], 'rng': s['rng'], 'layer_norms': s['layer_norms'],
                 'sums': s['sums']}
 
-      mesh = self._flat_mesh if plan.num_devices == self.num_devices else self.mesh(plan)
       self._portable[key] = jax.jit(portable, out_shardings=NamedSharding(mesh, P()))
     return self._portable[key]
 
