@@ -106,14 +106,13 @@ def keep_caching(previous: CachingDecision | None, num_frozen_layers: int,
   if (previous is None or not previous.use_cache or not previous.filled
       or num_frozen_layers <= previous.num_frozen_layers):
     return None
-  if epochs_ahead < 1:
-    raise ValueError(f'epochs_ahead must be >= 1, got {epochs_ahead}')
+  # The shallower depth's timings: the comparison (read < forward) comes out
+  # as it did there.
+  decision = decide_caching(num_frozen_layers, previous.forward_seconds, previous.read_seconds,
+                            previous.write_seconds, epochs_ahead, filled=True)
   measured_at = (previous.num_frozen_layers if previous.measured_at is None
                  else previous.measured_at)
-  return CachingDecision(num_frozen_layers, True, previous.forward_seconds,
-                         previous.read_seconds, previous.write_seconds, epochs_ahead, True,
-                         epochs_ahead * previous.forward_seconds,
-                         epochs_ahead * previous.read_seconds, measured_at)
+  return dataclasses.replace(decision, measured_at=measured_at)
 
 
 class CachingProfiler:

@@ -313,16 +313,17 @@ class FrozenPrefix:
     depth = plan.partition.num_frozen_layers
     stats = self.cache.stats()
     filled = self.use_cache and stats['memory_entries'] + stats['disk_entries'] > 0
+    epochs_ahead = max(epochs_ahead, 1)
     # Settled without timing when the cache served the last depth from filled
     # entries (the same on every process: decisions are taken jointly).
     kept = autocache_policy.keep_caching(self.decisions[-1] if self.decisions else None,
-                                         depth, max(epochs_ahead, 1)) if self.use_cache else None
+                                         depth, epochs_ahead) if self.use_cache else None
     if kept is not None:
       self.decisions.append(kept)
       self.log('  ' + kept.describe())
-      self.use_cache = True
+      self.use_cache = kept.use_cache
     else:
-      self.use_cache = self._decide(plan, frozen, sample_batch, max(epochs_ahead, 1), filled)
+      self.use_cache = self._decide(plan, frozen, sample_batch, epochs_ahead, filled)
     if self.use_cache and filled:  # this process's entries (a local computation)
       self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
                                                                           d0),

@@ -102,6 +102,11 @@ def _correct(metrics: dict) -> jax.Array:
   return metrics['correct'] if 'correct' in metrics else jnp.full((), jnp.nan, jnp.float32)
 
 
+def _background_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """The one thread that prepares the next plan, at the lowest priority."""
+  return concurrent.futures.ThreadPoolExecutor(max_workers=1, initializer=_background_priority)
+
+
 def _background_priority() -> None:
   """Gives the calling thread (the one that prepares the next plan) the
   lowest CPU priority (Linux: per-thread nice 19), so it fills the cores'
@@ -199,8 +204,7 @@ class Trainer:
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval = None
     self._executables: dict[tuple, Any] = {}  # compiled steps, by pipeline.program_key
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                       initializer=_background_priority)
+    self._pool = _background_pool()
     self._ahead = None
     self._trials: dict[int, dict] = {}
     self._announced: set[int] = set()
@@ -762,8 +766,7 @@ class Trainer:
     self._run_start = time.perf_counter()
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
-      self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                       initializer=_background_priority)
+      self._pool = _background_pool()
     by_steps = bool(self.config.freeze.timestep_steps)
     if by_steps:
       self.prepare_next(sample_batch)

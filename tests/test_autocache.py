@@ -12,7 +12,8 @@ import pytest
 
 from pipejax import autocache_disk
 from pipejax.autocache import ActivationCache, CacheMismatchError, storage_error_bound
-from pipejax.autocache_policy import CachingProfiler, caching_allowed, decide_caching
+from pipejax.autocache_policy import (CachingDecision, CachingProfiler, caching_allowed,
+                                      decide_caching, keep_caching)
 from pipejax.data import ArraySource, Loader, host_subset
 from tests import fixtures
 
@@ -613,7 +614,6 @@ def test_loader_batch_ids_match_its_epochs():
 
 
 def test_keep_caching_only_after_a_filled_cache_won():
-  from pipejax.autocache_policy import CachingDecision, keep_caching
   filled = decide_caching(4, 0.10, 0.002, 0.003, epochs_ahead=3, filled=True)
   empty = decide_caching(4, 0.10, 0.002, 0.003, epochs_ahead=3)
   lost = decide_caching(4, 0.001, 0.002, 0.003, epochs_ahead=3, filled=True)

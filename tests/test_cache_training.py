@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pipejax.data import ArraySource
-from pipejax.frozen_prefix import make_cache
+from pipejax.frozen_prefix import FrozenPrefix, make_cache
 
 from tests.test_trainer import _Bar, _config, _trainer
 
@@ -92,7 +92,6 @@ def test_randomly_augmented_input_is_not_cached_unless_accepted():
 
 
 def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeypatch):
-  from pipejax.frozen_prefix import FrozenPrefix
   timed = []
   decide = FrozenPrefix._decide
 
