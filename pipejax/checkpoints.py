@@ -23,6 +23,29 @@ class CheckpointError(RuntimeError):
   """A checkpoint that could not be written or read (one-line message)."""
 
 
+def _single_process_array_writes() -> None:
+  """Saves replicated arrays from one replica when there is one process.
+
+  Orbax's default "replica-parallel" saving cuts every replicated array into
+  one slice per replica so that several hosts can write a share each. In a
+  single process there is no one to share with, and on CPU devices the
+  slicing is an eager op per slice: for the default run's portable state
+  (78 arrays over 8 devices) 552 slices, 0.2-0.3 s of every save, and 1.2 s
+  more in the first one, which compiles each slice's shape. Multi-process runs
+  keep the default.
+  """
+  if jax.process_count() > 1:
+    return
+  current = ocp.type_handlers.get_type_handler(jax.Array)
+  if getattr(current, '_use_replica_parallel', False) is False:
+    return  # already off (set by us, or by the user's own registration)
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(
+          use_replica_parallel=False,
+          array_metadata_store=getattr(current, '_array_metadata_store', None)),
+      override=True)
+
+
 class Checkpoints:
   """Saves the trainer state (asynchronously) with JSON metadata.
 
@@ -32,6 +55,7 @@ class Checkpoints:
   """
 
   def __init__(self, workdir: str, keep: int = 2):
+    _single_process_array_writes()
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            cleanup_tmp_directories=True,

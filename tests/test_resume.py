@@ -134,6 +134,41 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
   np.testing.assert_array_equal(state['params']['w'], np.full((4, 3), 1.0))
 
 
+def test_replicated_state_is_saved_from_one_replica_and_restores_exactly(tmp_path, monkeypatch):
+  """The portable state is replicated over every device. In one process it is
+  written from one replica (orbax's replica-parallel saving would cut each
+  array into a slice per device, an eager op each: 0.2-0.3 s per save of the
+  default run) and restores bit for bit, sharded arrays included."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from orbax.checkpoint._src.serialization import replica_slices  # noqa: PLC0415
+  mesh = Mesh(np.array(jax.devices()), ('batch',))
+  rng = np.random.default_rng(0)
+  host = {'params': {'w': rng.standard_normal((16, 24)).astype(np.float32),
+                     'rows': rng.standard_normal((8, 5)).astype(np.float32)},
+          'step': np.int32(7)}
+  specs = {'params': {'w': P(), 'rows': P('batch')}, 'step': P()}
+  state = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), host, specs)
+  modes = []
+  real = replica_slices.transfer_arrays_to_host
+
+  def recording(arrays, replica_id, use_replica_parallel, *args, **kwargs):
+    modes.append(use_replica_parallel)
+    return real(arrays, replica_id, use_replica_parallel, *args, **kwargs)
+
+  monkeypatch.setattr(replica_slices, 'transfer_arrays_to_host', recording)
+  ckpt = checkpoints.Checkpoints(str(tmp_path))
+  ckpt.save(3, state, {'n': 3}, wait=True)
+  ckpt.close()
+  assert modes and not any(modes)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          state)
+  restored, meta, _ = checkpoints.Checkpoints(str(tmp_path)).restore(lambda _: abstract)
+  assert meta == {'n': 3}
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(host)):
+    assert np.asarray(got).dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   ckpt = checkpoints.Checkpoints(str(tmp_path))
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
