@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import elastic, vit_imagenet
+from experiments import datasets, elastic, vit_imagenet
 from tests import fixtures
 
 def _config(tmp_path, **overrides):
@@ -37,6 +37,19 @@ def test_default_config_smoke(tmp_path):
   # Every plan's micro-batch count was profiled and remembered.
   with open(tmp_path / 'profile.json') as f:
     assert json.load(f)
+
+
+def test_digits_are_read_as_scikit_learn_loads_them():
+  """The embedded default reads the digits file that scikit-learn ships
+  without importing ``sklearn.datasets``; it must give load_digits' arrays."""
+  from sklearn.datasets import load_digits  # noqa: PLC0415
+  reference = load_digits()
+  images, labels = datasets.digits_arrays()
+  assert images.dtype == reference.images.dtype and labels.dtype == reference.target.dtype
+  np.testing.assert_array_equal(images, reference.images)
+  np.testing.assert_array_equal(labels, reference.target)
+  data = datasets.digits(seed=3)
+  assert len(data.train) + len(data.eval) == len(reference.target) == 1797
 
 
 def test_imagenet_path_on_mock_tfds(tmp_path):
