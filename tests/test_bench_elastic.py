@@ -1,0 +1,87 @@
+"""experiments.bench_elastic: pairs, the ratio over them, the verdict and the
+outputs, on synthetic runs (the real runs are the main job's own tests)."""
+import json
+import os
+
+import pytest
+
+from experiments import bench_elastic
+
+
+def _result(total, policy_none, accuracy):
+  frozen = [0, 0, 0] if policy_none else [0, 2, 3]
+  k = [4, 4, 4] if policy_none else [4, 4, 2]
+  replicas = [1, 1, 1] if policy_none else [1, 1, 2]
+  rows = [{'epoch': e, 'frozen_layers': f, 'pipeline_length': kk, 'replicas': r,
+           'step': 10 * (e + 1), 'cache': False, 'epoch_seconds': 2.0 if kk == 4 else 1.0,
+           'transition_seconds': 0.0 if policy_none else 0.5, 'eval_seconds': 0.25,
+           'checkpoint_seconds': 0.1, 'wall_seconds': 3.0 * (e + 1), 'eval_accuracy': accuracy}
+          for e, (f, kk, r) in enumerate(zip(frozen, k, replicas))]
+  summary = {'total_seconds': total, 'final_eval_accuracy': accuracy, 'num_layers': 4,
+             'config': {'train': {'batch_size': 8, 'batch_mode': 'constant'}}}
+  return {'summary': summary, 'rows': rows}
+
+
+def _fake(calls, elastic_totals, baseline_totals, elastic_acc=0.97, baseline_acc=0.975):
+  def run(workdir, args):
+    name = os.path.basename(workdir)
+    calls.append(name)
+    none = '--config.freeze.policy=none' in args
+    if name.startswith('warmup'):
+      return _result(99.0, none, 0.0)
+    i = int(name.rsplit('-', 1)[1])
+    return (_result(baseline_totals[i], True, baseline_acc) if none
+            else _result(elastic_totals[i], False, elastic_acc))
+  return run
+
+
+def test_pairs_alternate_and_the_ratio_is_over_all_pairs(tmp_path, monkeypatch, capsys):
+  calls = []
+  monkeypatch.setattr(bench_elastic, '_run', _fake(calls, [30.0, 20.0, 34.0], [40.0, 40.0, 40.0]))
+  assert bench_elastic.main(['--workdir', str(tmp_path / 'b'), '--repeats', '3',
+                             '--config.train.epochs=3']) == 0
+  # Warm-ups first, then pairs with the first run alternating.
+  assert calls == ['warmup-elastic', 'warmup-baseline', 'elastic-0', 'baseline-0',
+                   'baseline-1', 'elastic-1', 'elastic-2', 'baseline-2']
+  with open(tmp_path / 'b' / 'bench_elastic.json') as f:
+    out = json.load(f)
+  assert out['ratio_of_sums'] == pytest.approx(84 / 120)
+  assert out['median_ratio'] == pytest.approx(0.75)
+  assert [p['first'] for p in out['pairs']] == ['elastic', 'baseline', 'elastic']
+  assert out['passthrough'] == ['--config.train.epochs=3']
+  met = {c['criterion']: c['met'] for c in out['criteria']}
+  assert all(met.values()), met  # 0.700 is within the target
+  # Limits: 3 epochs of 80 samples; frozen 0, 2, 3 of 4 blocks.
+  work = 16 + (8 + 2) + (4 + 3)
+  assert out['limits']['frozen_forward_only'] == pytest.approx(48 / work)
+  phases = out['seconds_by_phase']['elastic']
+  assert phases['epochs_at_starting_k'] == pytest.approx(4.0)
+  assert phases['epochs_after'] == pytest.approx(1.0)
+  assert phases['transitions'] == pytest.approx(1.5)
+  assert phases['startup_and_rest'] == pytest.approx(84 / 3 - 4 - 1 - 1.5 - 0.75 - 0.3)
+  assert os.path.getsize(tmp_path / 'b' / 'bench_elastic.png') > 1000
+  assert '[met] wall time <= 0.70 x the baseline: 0.700' in capsys.readouterr().out
+
+
+def test_a_missed_criterion_is_reported(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(bench_elastic, '_run',
+                      _fake([], [36.0], [40.0], elastic_acc=0.955, baseline_acc=0.97))
+  assert bench_elastic.main(['--workdir', str(tmp_path / 'b'), '--repeats', '1',
+                             '--no-warmup']) == 0
+  out = capsys.readouterr().out
+  assert '[NOT met] wall time <= 0.70 x the baseline: 0.900' in out
+  assert '[NOT met] within 1 point of the baseline: 0.9550 vs 0.9700 (-1.50 points)' in out
+  assert '[met] final eval accuracy >= 0.95: 0.9550' in out
+
+
+@pytest.mark.parametrize('argv, message', [(['--repeats', '0'], '--repeats must be >= 1')])
+def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
+  assert bench_elastic.main(['--workdir', str(tmp_path / 'w'), *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1
+
+
+def test_refuses_a_used_workdir(tmp_path, capsys):
+  (tmp_path / 'old.json').write_text('{}')
+  assert bench_elastic.main(['--workdir', str(tmp_path)]) == 2
+  assert 'not empty' in capsys.readouterr().err
