@@ -136,14 +136,18 @@ def resolve_data(config, task: str = 'vit'):
   if name == 'digits':
     return datasets.digits(seed=config.seed)
   if name in ('auto', 'imagenet2012'):
-    try:
-      return datasets.imagenet(config.data.data_dir, config.data.image_size)
-    except datasets.DatasetMissing as e:
-      if name != 'auto':
-        raise
-      _log(f'ImageNet not found ({str(e).split(";")[0]}); running the embedded default: '
-           f'a 12-block ViT on scikit-learn digits with {config.pipeline.devices} devices')
-      return datasets.digits(seed=config.seed)
+    # 'auto' looks for a prepared copy first: without one, TFDS is not even imported.
+    reason = datasets.imagenet_missing(config.data.data_dir) if name == 'auto' else None
+    if reason is None:
+      try:
+        return datasets.imagenet(config.data.data_dir, config.data.image_size)
+      except datasets.DatasetMissing as e:
+        if name != 'auto':
+          raise
+        reason = str(e).split(';')[0]
+    _log(f'ImageNet not found ({reason}); running the embedded default: '
+         f'a 12-block ViT on scikit-learn digits with {config.pipeline.devices} devices')
+    return datasets.digits(seed=config.seed)
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 

@@ -52,6 +52,38 @@ def test_digits_are_read_as_scikit_learn_loads_them():
   assert len(data.train) + len(data.eval) == len(reference.target) == 1797
 
 
+_PROBE = """
+import sys
+from experiments import elastic, vit_imagenet
+config = vit_imagenet.get_config()
+with config.unlocked():
+  config.data.data_dir = sys.argv[1]
+data = elastic.resolve_data(config)
+print(data.name, 'tensorflow_datasets' in sys.modules)
+"""
+
+
+def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
+  """``data.name=auto`` without a prepared ImageNet falls back to digits
+  without importing TFDS (0.5 s); a directory that looks prepared goes
+  through TFDS, whose error still falls back in one line."""
+  empty = tmp_path / 'empty'
+  empty.mkdir()
+  out = subprocess.run([sys.executable, '-c', _PROBE, str(empty)], capture_output=True,
+                       text=True, timeout=300, check=True)
+  assert out.stdout.splitlines()[-1].split() == ['digits', 'False']
+  assert f'ImageNet not found (no prepared imagenet2012 in {empty})' in out.stdout + out.stderr
+  looks_prepared = tmp_path / 'tfds' / 'imagenet2012' / '5.1.0'
+  looks_prepared.mkdir(parents=True)
+  (looks_prepared / 'dataset_info.json').write_text('{}')
+  assert datasets.imagenet_missing(str(tmp_path / 'tfds')) is None
+  out = subprocess.run([sys.executable, '-c', _PROBE, str(tmp_path / 'tfds')],
+                       capture_output=True, text=True, timeout=300, check=True)
+  assert out.stdout.splitlines()[-1].split() == ['digits', 'True']
+  assert 'ImageNet not found (imagenet2012 is not prepared for TFDS' in out.stdout + out.stderr
+  assert datasets.imagenet_missing('gs://bucket/tfds') is None  # only TFDS can look there
+
+
 def test_imagenet_path_on_mock_tfds(tmp_path):
   tfds = pytest.importorskip('tensorflow_datasets')
   config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
