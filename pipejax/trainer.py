@@ -123,6 +123,11 @@ def _spec(tree) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def _shapes(tree) -> Any:
+  """``tree``'s arrays as shapes, dtypes and shardings."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
 def _zeros_like(x: jax.Array) -> jax.Array:
   """Zeros with ``x``'s sharding (compiled steps insist on their shardings)."""
   return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
@@ -202,7 +207,7 @@ class Trainer:
          'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule})
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
-    self._eval = None
+    self._eval: dict[tuple, concurrent.futures.Future] = {}  # compiled evaluation forwards
     self._executables: dict[tuple, Any] = {}  # compiled steps, by pipeline.program_key
     self._pool = _background_pool()
     self._ahead = None
@@ -611,7 +616,10 @@ class Trainer:
 
     Evaluation runs the canonical parameters data-parallel over all devices
     (one compiled function for the whole run, whatever the plan), so a
-    transition never pays for compiling an evaluation step.
+    transition never pays for compiling an evaluation step; :meth:`run`
+    starts compiling it (from the program store when it has it) while the
+    first epoch trains. The per-batch counts stay on the devices until the
+    end (one transfer, not a wait per batch).
     """
     params = self.canonical_params() if params is None else params
     if self.evaluator is not None:
@@ -620,19 +628,64 @@ class Trainer:
         raise ValueError(f'the evaluator returned no eval_accuracy: {sorted(metrics)}')
       return metrics
     flat = self._flat_mesh
-    if self._eval is None:
-      self._eval = jax.jit(lambda p, b: self.model.loss(p, b)[1],
-                           in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))))
-    loader = dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
-    correct = count = 0.0
-    for _, batch in loader.epoch(0):
-      metrics = self._eval(params, distributed.put_batch(batch, NamedSharding(flat, P('batch'))))
+    params = jax.device_put(params, NamedSharding(flat, P()))  # a no-op for portable_state()'s
+    param_shapes = _shapes(params)
+    per_batch = []  # kept on the devices: one transfer at the end, not a wait per batch
+    for _, batch in self._eval_loader().epoch(0):
+      batch = distributed.put_batch(batch, NamedSharding(flat, P('batch')))
+      metrics = self._eval_compiled(param_shapes, _shapes(batch)).result()(params, batch)
       if 'correct' not in metrics:
         raise ValueError(f'{self.model.name} reports no accuracy (a regression head): give the '
                          f'Trainer an evaluator')
-      correct += float(metrics['correct'])
-      count += float(metrics['count'])
+      per_batch.append((metrics['correct'], metrics['count']))
+    correct = count = 0.0
+    for c, n in jax.device_get(per_batch):
+      correct += float(c)
+      count += float(n)
     return {'eval_accuracy': correct / max(count, 1.0)}
+
+  def _eval_loader(self) -> Loader:
+    return dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
+
+  def _eval_compiled(self, param_shapes, batch_shapes, background: bool = False):
+    """A future of the evaluation forward compiled for these shapes (from the
+    program store when it has it; one per batch shape, usually one per run).
+    ``background``: compile it in the compile-ahead thread."""
+    key = (jax.tree.structure((param_shapes, batch_shapes)),
+           tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves((param_shapes, batch_shapes))))
+    if key not in self._eval:
+      flat = self._flat_mesh
+
+      def build():
+        return jax.jit(lambda p, b: self.model.loss(p, b)[1],
+                       in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))),
+                       out_shardings=NamedSharding(flat, P()))
+
+      def compile_it():
+        return self.programs.compile('eval', key[1], (param_shapes, batch_shapes), build)
+
+      if background:
+        self._eval[key] = self._pool.submit(compile_it)
+      else:
+        self._eval[key] = concurrent.futures.Future()
+        self._eval[key].set_result(compile_it())
+    return self._eval[key]
+
+  def _compile_eval_ahead(self) -> None:
+    """Starts compiling the evaluation forward while the first epoch trains."""
+    if self.evaluator is not None:
+      return
+    flat = self._flat_mesh
+    batch = next(iter(self._eval_loader().epoch(0)))[1]
+    self._eval_compiled(
+        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                    sharding=NamedSharding(flat, P())),
+                     self._param_shapes),
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (np.shape(x)[0] * jax.process_count(),) + np.shape(x)[1:],
+            jax.dtypes.canonicalize_dtype(np.asarray(x).dtype),
+            sharding=NamedSharding(flat, P('batch'))), batch),
+        background=True)
 
   def _partition_after(self, num_frozen: int) -> part.Partition:
     """AutoPipe's partition once ``num_frozen`` blocks are frozen."""
@@ -767,6 +820,7 @@ class Trainer:
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
       self._pool = _background_pool()
+    self._compile_eval_ahead()
     by_steps = bool(self.config.freeze.timestep_steps)
     if by_steps:
       self.prepare_next(sample_batch)

@@ -1,5 +1,7 @@
 """Trainer: frozen weights stay bit-identical, transitions keep training state,
 per-layer gradient norms, and the elastic run end to end."""
+import contextlib
+import dataclasses
 import os
 import re
 import threading
@@ -207,6 +209,52 @@ def test_without_autodp_one_pipeline_on_k_devices_same_losses():
   k = trainer.plan.pipeline_length  # the state lives on the first K devices only
   used = {d for leaf in jax.tree.leaves(trainer.state) for d in leaf.sharding.device_set}
   assert used == set(trainer.devices[:k])
+
+
+def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(tmp_path,
+                                                                               monkeypatch):
+  """run() compiles the evaluation forward in the background thread while the
+  first epoch trains; a later trainer of the same run loads it from the
+  program store without tracing the model; the accuracy is the model's own
+  count over the whole eval set (40 samples: the last batch of 16 padded)."""
+  from pipejax import programs as programs_lib  # noqa: PLC0415
+  config = _config(epochs=1)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 40, seed=4)
+  compiled_on, traced = [], []
+  real_compile, real_loss_fn = programs_lib.ProgramStore.compile, created.model.loss_fn
+
+  def compile_(self, name, *args, **kwargs):
+    if name == 'eval':
+      compiled_on.append(threading.current_thread() is threading.main_thread())
+    return real_compile(self, name, *args, **kwargs)
+
+  def loss_fn(*args, **kwargs):
+    traced.append(1)
+    return real_loss_fn(*args, **kwargs)
+
+  monkeypatch.setattr(programs_lib.ProgramStore, 'compile', compile_)
+  model = dataclasses.replace(created.model, loss_fn=loss_fn)
+
+  def make(workdir):
+    os.makedirs(workdir)
+    loader = Loader(ArraySource(data), 16, seed=0)
+    evals = Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False)
+    return Trainer(model, created.params, config, workdir, loader, evals,
+                   log=lambda _: None, program_store=str(tmp_path / 'store'))
+
+  first = make(str(tmp_path / 'a'))
+  rows = first.run(1, lambda epoch, steps: contextlib.nullcontext(_Bar()))['rows']
+  assert compiled_on == [False] and traced  # ahead, in the background thread
+  second = make(str(tmp_path / 'b'))
+  traced.clear()  # (building the trainer traced its initial state)
+  accuracy = second.evaluate(first.canonical_params())['eval_accuracy']
+  assert compiled_on == [False, True] and not traced  # loaded, not traced
+  assert accuracy == rows[0]['eval_accuracy']
+  metrics = created.model.loss(jax.device_get(first.canonical_params()),
+                      {k: jnp.asarray(v) for k, v in data.items()})[1]
+  assert float(metrics['count']) == 40
+  assert accuracy == float(metrics['correct']) / 40
 
 
 @pytest.mark.skipif(not hasattr(os, 'setpriority'), reason='per-thread priority is Linux only')
