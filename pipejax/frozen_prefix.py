@@ -338,6 +338,8 @@ class FrozenPrefix:
     process (with several, each timing is the slowest process's and the
     cache counts as filled only if every process's is)."""
     depth = plan.partition.num_frozen_layers
+    size = self.local_batch_size  # the plan's (per_pipeline: it grows with R)
+    sample_batch = {k: np.asarray(v)[np.arange(size) % len(v)] for k, v in sample_batch.items()}
     inputs = None
     if self.processes == 1:
       inputs = jax.device_put({k: sample_batch[k] for k in self.model.input_keys},

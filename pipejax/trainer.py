@@ -36,6 +36,7 @@ from pipejax.programs import ProgramStore
 
 Params = Any
 PROFILE_ROUNDS = 2  # timed steps per micro-batch candidate
+_EVAL_BATCHES_IN_FLIGHT = 8  # evaluation waits for the batch this many back
 
 
 @dataclasses.dataclass
@@ -120,11 +121,6 @@ def _background_priority() -> None:
 
 def _spec(tree) -> Any:
   """Arrays as shapes with their shardings (to compile against)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _shapes(tree) -> Any:
-  """``tree``'s arrays as shapes, dtypes and shardings."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
@@ -629,15 +625,17 @@ class Trainer:
       return metrics
     flat = self._flat_mesh
     params = jax.device_put(params, NamedSharding(flat, P()))  # a no-op for portable_state()'s
-    param_shapes = _shapes(params)
+    param_shapes = _spec(params)
     per_batch = []  # kept on the devices: one transfer at the end, not a wait per batch
     for _, batch in self._eval_loader().epoch(0):
       batch = distributed.put_batch(batch, NamedSharding(flat, P('batch')))
-      metrics = self._eval_compiled(param_shapes, _shapes(batch)).result()(params, batch)
+      metrics = self._eval_compiled(param_shapes, _spec(batch)).result()(params, batch)
       if 'correct' not in metrics:
         raise ValueError(f'{self.model.name} reports no accuracy (a regression head): give the '
                          f'Trainer an evaluator')
       per_batch.append((metrics['correct'], metrics['count']))
+      if len(per_batch) > _EVAL_BATCHES_IN_FLIGHT:  # bounds the batches queued on the devices
+        per_batch[-_EVAL_BATCHES_IN_FLIGHT - 1][0].block_until_ready()
     correct = count = 0.0
     for c, n in jax.device_get(per_batch):
       correct += float(c)
@@ -645,7 +643,12 @@ class Trainer:
     return {'eval_accuracy': correct / max(count, 1.0)}
 
   def _eval_loader(self) -> Loader:
-    return dataclasses.replace(self.eval_loader, batch_size=self.batch_size(self.plan))
+    """The eval loader at the run's starting global batch, whatever the plan
+    (so ``batch_mode='per_pipeline'``, whose batch grows with R, does not
+    recompile evaluation at a transition)."""
+    replicas = self.num_devices // self.initial_length
+    return dataclasses.replace(self.eval_loader, batch_size=autodp.global_batch_size(
+        self.config.train.batch_size, replicas, self.config.train.batch_mode))
 
   def _eval_compiled(self, param_shapes, batch_shapes, background: bool = False):
     """A future of the evaluation forward compiled for these shapes (from the
@@ -667,24 +670,36 @@ class Trainer:
       if background:
         self._eval[key] = self._pool.submit(compile_it)
       else:
-        self._eval[key] = concurrent.futures.Future()
-        self._eval[key].set_result(compile_it())
+        done = concurrent.futures.Future()
+        done.set_result(compile_it())  # stored only once compiled: an error is raised again next time
+        self._eval[key] = done
     return self._eval[key]
 
   def _compile_eval_ahead(self) -> None:
-    """Starts compiling the evaluation forward while the first epoch trains."""
+    """Starts compiling the evaluation forward while the first epoch trains.
+
+    The batch's shapes come from one sample and the eval batch size (reading
+    a whole eval batch here would decode it on the main thread and count its
+    IDs as served); an empty eval set has nothing to compile.
+    """
     if self.evaluator is not None:
       return
+    loader = self._eval_loader()
+    ids = np.asarray(loader.ids)
+    if not len(ids):
+      return
+    sample = dict(loader.source[ids[:1]])
+    if not loader.drop_remainder:
+      sample['example_mask'] = np.ones((1,), np.float32)
     flat = self._flat_mesh
-    batch = next(iter(self._eval_loader().epoch(0)))[1]
     self._eval_compiled(
         jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                                     sharding=NamedSharding(flat, P())),
                      self._param_shapes),
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            (np.shape(x)[0] * jax.process_count(),) + np.shape(x)[1:],
+            (loader.batch_size,) + np.shape(x)[1:],
             jax.dtypes.canonicalize_dtype(np.asarray(x).dtype),
-            sharding=NamedSharding(flat, P('batch'))), batch),
+            sharding=NamedSharding(flat, P('batch'))), sample),
         background=True)
 
   def _partition_after(self, num_frozen: int) -> part.Partition:
@@ -820,7 +835,6 @@ class Trainer:
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
       self._pool = _background_pool()
-    self._compile_eval_ahead()
     by_steps = bool(self.config.freeze.timestep_steps)
     if by_steps:
       self.prepare_next(sample_batch)
@@ -834,6 +848,7 @@ class Trainer:
         raise TrainingInterrupted(epoch, int(self.state['step']), path)
 
     try:
+      self._compile_eval_ahead()
       self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
     finally:
@@ -852,7 +867,9 @@ class Trainer:
     for epoch in range(start_epoch, epochs):
       if epoch + 1 < epochs and not by_steps:
         self.prepare_next(sample_batch)
-      with progress_factory(epoch, self.steps_per_epoch) as bar:
+      steps = dataclasses.replace(self.train_loader,  # per_pipeline: fewer as R grows
+                                  batch_size=self.batch_size(self.plan)).steps_per_epoch()
+      with progress_factory(epoch, steps) as bar:
         stats = self.train_epoch(epoch, bar, start_step if epoch == start_epoch else 0,
                                  after_step)
       transition_seconds += stats['transition_seconds']

@@ -245,7 +245,7 @@ def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(
 
   first = make(str(tmp_path / 'a'))
   rows = first.run(1, lambda epoch, steps: contextlib.nullcontext(_Bar()))['rows']
-  assert compiled_on == [False] and traced  # ahead, in the background thread
+  assert compiled_on == [False]  # ahead, in the background thread; evaluate() reused it
   second = make(str(tmp_path / 'b'))
   traced.clear()  # (building the trainer traced its initial state)
   accuracy = second.evaluate(first.canonical_params())['eval_accuracy']
@@ -255,6 +255,110 @@ def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(
                       {k: jnp.asarray(v) for k, v in data.items()})[1]
   assert float(metrics['count']) == 40
   assert accuracy == float(metrics['correct']) / 40
+
+
+class _CountingSource(ArraySource):
+  """An ArraySource that records how many IDs each read asked for."""
+
+  def __init__(self, data):
+    super().__init__(data)
+    self.reads = []
+
+  def __getitem__(self, ids):
+    self.reads.append(len(np.atleast_1d(ids)))
+    return super().__getitem__(ids)
+
+
+def test_evaluation_compiled_ahead_from_one_sample_and_for_the_starting_batch(tmp_path):
+  """Compiling evaluation ahead reads one sample, not an eval batch; in
+  per_pipeline mode (the batch grows with R) evaluation keeps the starting
+  batch, so a transition that changes R compiles no second evaluation; an
+  empty eval set compiles nothing and does not fail."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=2)
+  with config.unlocked():
+    config.train.batch_mode = 'per_pipeline'
+    config.train.batch_size = 8  # 16 at R = 2, then 32 at R = 4 (K = 2 after a freeze)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+  evals_source = _CountingSource(data)
+  trainer = Trainer(created.model, created.params, config, str(tmp_path),
+                    Loader(ArraySource(data), 16, seed=0),
+                    Loader(evals_source, 16, shuffle=False, drop_remainder=False),
+                    log=lambda _: None)
+  trainer._compile_eval_ahead()  # noqa: SLF001
+  assert evals_source.reads == [1]
+  [ahead] = trainer._eval.values()  # noqa: SLF001
+  ahead.result()
+  first = trainer.evaluate()['eval_accuracy']
+  assert len(trainer._eval) == 1  # noqa: SLF001 - evaluate() ran what was compiled ahead
+  replicas = trainer.plan.replicas
+  for epoch in range(3):  # schedule policy, α = 0.5: F = 2, 3 (compressed to K = 2), 3
+    trainer.maybe_transition(epoch, next(iter(trainer.train_loader.epoch(0)))[1])
+  assert trainer.plan.replicas > replicas  # the train batch grew
+  assert trainer.evaluate()['eval_accuracy'] == first  # nothing trained in between
+  assert len(trainer._eval) == 1  # noqa: SLF001
+  empty = Trainer(created.model, created.params, config, str(tmp_path / 'e'),
+                  Loader(ArraySource(data), 16, seed=0),
+                  Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False,
+                         ids=np.arange(0)), log=lambda _: None)
+  empty._compile_eval_ahead()  # noqa: SLF001
+  assert empty._eval == {}  # noqa: SLF001
+
+
+@pytest.mark.parametrize('cache_policy', ['profile', 'always'])
+def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy):
+  """The paper's batch mode end to end: the global batch grows with R at the
+  compression (8 per pipeline: 16 at R = 2, 32 at R = 4), the cache decision
+  and the programs compiled ahead take the new batch, evaluation keeps one
+  program for the run."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
+  with config.unlocked():
+    config.train.batch_mode = 'per_pipeline'
+    config.train.batch_size = 8
+    config.freeze.compile_ahead = True
+    config.cache.policy = cache_policy
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+  trainer = Trainer(created.model, created.params, config, str(tmp_path),
+                    Loader(ArraySource(data), 16, seed=0),
+                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
+                    log=lambda _: None)
+  bars = []
+
+  def progress(epoch, steps):
+    bars.append(steps)
+    return contextlib.nullcontext(_Bar())
+
+  rows = trainer.run(3, progress)['rows']
+  assert [(r['frozen_layers'], r['pipeline_length'], r['replicas']) for r in rows] == [
+      (0, 4, 2), (2, 4, 2), (3, 2, 4)]
+  assert [r['step'] for r in rows] == [4, 8, 10]  # 64 samples in batches of 16, then 32
+  assert bars == [4, 4, 2]  # the progress bars' totals
+  assert all(np.isfinite(r['train_loss']) for r in rows)
+  assert len(trainer._eval) == 1  # noqa: SLF001
+  assert trainer.prefix.decisions  # a caching decision was timed on the plan's batch
+
+
+def test_a_failed_evaluation_compile_is_raised_again_not_left_pending(monkeypatch):
+  """A compile error in evaluate() must not leave a future that never
+  completes behind (the next evaluate() would wait for ever)."""
+  from pipejax import programs as programs_lib  # noqa: PLC0415
+  trainer, _ = _trainer(_config())
+  real_compile, calls = programs_lib.ProgramStore.compile, []
+
+  def compile_(self, name, *args, **kwargs):
+    if name == 'eval':
+      calls.append(name)
+      if len(calls) == 1:
+        raise RuntimeError('out of memory while compiling')
+    return real_compile(self, name, *args, **kwargs)
+
+  monkeypatch.setattr(programs_lib.ProgramStore, 'compile', compile_)
+  with pytest.raises(RuntimeError, match='out of memory'):
+    trainer.evaluate()
+  assert all(f.done() for f in trainer._eval.values())  # noqa: SLF001
+  assert 0.0 <= trainer.evaluate()['eval_accuracy'] <= 1.0
+  assert len(calls) == 2
 
 
 @pytest.mark.skipif(not hasattr(os, 'setpriority'), reason='per-thread priority is Linux only')
