@@ -84,12 +84,13 @@ def imagenet_missing(data_dir: str | None, name: str = 'imagenet2012') -> str | 
   ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``), found without importing
   TFDS (0.5 s of every embedded-default run); None when it may be, and TFDS
   decides. A prepared data set has ``<dir>/<name>/[<config>/]<version>/dataset_info.json``."""
-  root = data_dir or os.environ.get('TFDS_DATA_DIR') or os.path.join('~', 'tensorflow_datasets')
+  root = data_dir or os.environ.get('TFDS_DATA_DIR', os.path.join('~', 'tensorflow_datasets'))
   if '://' in root:
     return None  # a remote file system: only TFDS can look
   root = os.path.expanduser(root)
   for pattern in ('*', os.path.join('*', '*')):
-    if glob.glob(os.path.join(root, name, pattern, 'dataset_info.json')):
+    if glob.glob(os.path.join(glob.escape(root), glob.escape(name), pattern,
+                              'dataset_info.json')):
       return None
   return f'no prepared {name} in {root}'
 

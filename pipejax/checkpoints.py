@@ -11,6 +11,7 @@ process calls :meth:`Checkpoints.save` and :meth:`Checkpoints.restore`.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from typing import Any, Callable
@@ -37,13 +38,13 @@ def _single_process_array_writes() -> None:
   if jax.process_count() > 1:
     return
   current = ocp.type_handlers.get_type_handler(jax.Array)
+  if type(current) is not ocp.type_handlers.ArrayHandler:
+    return  # the user's own handler: theirs to configure
   if getattr(current, '_use_replica_parallel', False) is False:
     return  # already off (set by us, or by the user's own registration)
-  ocp.type_handlers.register_type_handler(
-      jax.Array, ocp.type_handlers.ArrayHandler(
-          use_replica_parallel=False,
-          array_metadata_store=getattr(current, '_array_metadata_store', None)),
-      override=True)
+  handler = copy.copy(current)  # keeps every other option of the registered one
+  handler._use_replica_parallel = False  # noqa: SLF001 - read at each save
+  ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 class Checkpoints:

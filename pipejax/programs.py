@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import pickle
+import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -108,6 +109,7 @@ class ProgramStore:
     self.log = log
     self.hits = self.misses = self.corrupt = 0
     self.load_seconds = self.compile_seconds = 0.0
+    self._lock = threading.Lock()  # the counters: the main and the compile-ahead thread
     backend = jax.devices()[0]
     self._identity = hashlib.sha256(json.dumps(
         {'code': code_fingerprint(), 'versions': _versions(),
@@ -143,16 +145,14 @@ class ProgramStore:
       try:
         compiled = self._load(path, args, donate_argnums)
       except Exception as e:  # noqa: BLE001 - any unusable entry is traced afresh
-        self.corrupt += 1
+        self._count('corrupt')
         self.log(f'program store: {os.path.basename(path)} is unusable '
                  f'({type(e).__name__}: {str(e)[:160]}); removed and traced afresh')
         _remove(path)
       else:
-        self.hits += 1
-        self.load_seconds += time.perf_counter() - t0
+        self._count('hits', 'load_seconds', time.perf_counter() - t0)
         _touch(path)  # recently used: kept by _trim
         return compiled
-    self.misses += 1
     t0 = time.perf_counter()
     jitted = build()
     entry = None if path is None else self._export(path, jitted, args)
@@ -163,8 +163,14 @@ class ProgramStore:
       # cache holds the very program later runs compile.
       compiled = self._from_entry(entry, args, donate_argnums)
       self._write(path, entry)
-    self.compile_seconds += time.perf_counter() - t0
+    self._count('misses', 'compile_seconds', time.perf_counter() - t0)
     return compiled
+
+  def _count(self, counter: str, seconds: str | None = None, dt: float = 0.0) -> None:
+    with self._lock:
+      setattr(self, counter, getattr(self, counter) + 1)
+      if seconds:
+        setattr(self, seconds, getattr(self, seconds) + dt)
 
   @classmethod
   def _load(cls, path: str, args: tuple, donate_argnums: tuple[int, ...]):

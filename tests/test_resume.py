@@ -169,6 +169,31 @@ def test_replicated_state_is_saved_from_one_replica_and_restores_exactly(tmp_pat
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_one_replica_writes_keep_the_users_handler_and_its_options():
+  """Turning replica-parallel writes off keeps every other option of the
+  registered ArrayHandler, and leaves a user's own handler class alone."""
+  handlers = ocp.type_handlers
+  original = handlers.get_type_handler(jax.Array)
+
+  class Custom(handlers.ArrayHandler):
+    pass
+
+  try:
+    handlers.register_type_handler(
+        jax.Array, handlers.ArrayHandler(use_replica_parallel=True, primary_host=None,
+                                         enable_write_sharding_file=False), override=True)
+    checkpoints._single_process_array_writes()  # noqa: SLF001
+    now = handlers.get_type_handler(jax.Array)
+    assert type(now) is handlers.ArrayHandler and now._use_replica_parallel is False  # noqa: SLF001
+    assert now._primary_host is None and now._enable_write_sharding_file is False  # noqa: SLF001
+    custom = Custom(use_replica_parallel=True)
+    handlers.register_type_handler(jax.Array, custom, override=True)
+    checkpoints._single_process_array_writes()  # noqa: SLF001
+    assert handlers.get_type_handler(jax.Array) is custom
+  finally:
+    handlers.register_type_handler(jax.Array, original, override=True)
+
+
 def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   ckpt = checkpoints.Checkpoints(str(tmp_path))
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)

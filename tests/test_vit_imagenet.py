@@ -73,6 +73,7 @@ def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
                        text=True, timeout=300, check=True)
   assert out.stdout.splitlines()[-1].split() == ['digits', 'False']
   assert f'ImageNet not found (no prepared imagenet2012 in {empty})' in out.stdout + out.stderr
+  pytest.importorskip('tensorflow_datasets')  # the rest goes through TFDS
   looks_prepared = tmp_path / 'tfds' / 'imagenet2012' / '5.1.0'
   looks_prepared.mkdir(parents=True)
   (looks_prepared / 'dataset_info.json').write_text('{}')
@@ -82,6 +83,11 @@ def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
   assert out.stdout.splitlines()[-1].split() == ['digits', 'True']
   assert 'ImageNet not found (imagenet2012 is not prepared for TFDS' in out.stdout + out.stderr
   assert datasets.imagenet_missing('gs://bucket/tfds') is None  # only TFDS can look there
+  odd = tmp_path / 'data [1]' / 'imagenet2012' / '5.1.0'  # glob characters in the path
+  odd.mkdir(parents=True)
+  (odd / 'dataset_info.json').write_text('{}')
+  assert datasets.imagenet_missing(str(tmp_path / 'data [1]')) is None
+  assert datasets.imagenet_missing(str(tmp_path / 'data 1')) is not None
 
 
 def test_imagenet_path_on_mock_tfds(tmp_path):
