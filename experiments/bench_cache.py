@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 VARIANTS = {
     'always': ['--config.cache.policy=always'],
@@ -36,9 +37,13 @@ VARIANTS = {
 
 
 def _run(workdir: str, args: list[str]) -> dict:
-  """One run of the main job; returns its summary and rows."""
+  """One run of the main job in a fresh process; returns its summary, rows
+  and ``process_seconds`` (the process's wall time: the run's
+  ``total_seconds`` plus the interpreter's start, the imports and the exit)."""
   cmd = [sys.executable, '-m', 'experiments.vit_imagenet', f'--workdir={workdir}', *args]
+  start = time.perf_counter()
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  process_seconds = time.perf_counter() - start
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
     raise SystemExit(f'error: {" ".join(cmd)} failed: {tail}')
@@ -46,7 +51,7 @@ def _run(workdir: str, args: list[str]) -> dict:
     summary = json.load(f)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f]
-  return {'summary': summary, 'rows': rows}
+  return {'summary': summary, 'rows': rows, 'process_seconds': process_seconds}
 
 
 def _forward_saved(summary: dict, rows: list[dict], batch: int) -> float:

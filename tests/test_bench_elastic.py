@@ -19,10 +19,14 @@ def _result(total, policy_none, accuracy):
           for e, (f, kk, r) in enumerate(zip(frozen, k, replicas))]
   summary = {'total_seconds': total, 'final_eval_accuracy': accuracy, 'num_layers': 4,
              'config': {'train': {'batch_size': 8, 'batch_mode': 'constant'}}}
-  return {'summary': summary, 'rows': rows}
+  return {'summary': summary, 'rows': rows, 'process_seconds': total + 3.0}
 
 
 def _fake(calls, elastic_totals, baseline_totals, elastic_acc=0.97, baseline_acc=0.975):
+  """``elastic_acc`` / ``baseline_acc``: one accuracy, or one per pair."""
+  def pick(acc, i):
+    return acc[i] if isinstance(acc, list) else acc
+
   def run(workdir, args):
     name = os.path.basename(workdir)
     calls.append(name)
@@ -30,8 +34,8 @@ def _fake(calls, elastic_totals, baseline_totals, elastic_acc=0.97, baseline_acc
     if name.startswith('warmup'):
       return _result(99.0, none, 0.0)
     i = int(name.rsplit('-', 1)[1])
-    return (_result(baseline_totals[i], True, baseline_acc) if none
-            else _result(elastic_totals[i], False, elastic_acc))
+    return (_result(baseline_totals[i], True, pick(baseline_acc, i)) if none
+            else _result(elastic_totals[i], False, pick(elastic_acc, i)))
   return run
 
 
@@ -46,6 +50,9 @@ def test_pairs_alternate_and_the_ratio_is_over_all_pairs(tmp_path, monkeypatch, 
   with open(tmp_path / 'b' / 'bench_elastic.json') as f:
     out = json.load(f)
   assert out['ratio_of_sums'] == pytest.approx(84 / 120)
+  assert out['process_ratio_of_sums'] == pytest.approx(93 / 129)  # 3 s more per process
+  assert out['command'] == ('python -m experiments.bench_elastic --workdir '
+                            f'{tmp_path / "b"} --repeats 3 --config.train.epochs=3')
   assert out['median_ratio'] == pytest.approx(0.75)
   assert [p['first'] for p in out['pairs']] == ['elastic', 'baseline', 'elastic']
   assert out['passthrough'] == ['--config.train.epochs=3']
@@ -72,6 +79,27 @@ def test_a_missed_criterion_is_reported(tmp_path, monkeypatch, capsys):
   assert '[NOT met] wall time <= 0.70 x the baseline: 0.900' in out
   assert '[NOT met] within 1 point of the baseline: 0.9550 vs 0.9700 (-1.50 points)' in out
   assert '[met] final eval accuracy >= 0.95: 0.9550' in out
+
+
+def test_criteria_hold_in_every_pair_and_strict_exits_non_zero(tmp_path, monkeypatch, capsys):
+  """An accuracy gap of exactly one point is within it (no float noise); a
+  criterion missed in a later pair is missed, naming that pair; --strict
+  turns a missed criterion into exit status 1."""
+  monkeypatch.setattr(bench_elastic, '_run', _fake([], [20.0, 20.0], [40.0, 40.0],
+                                                   elastic_acc=[0.9694, 0.95],
+                                                   baseline_acc=[0.9794, 0.9794]))
+  assert bench_elastic.main(['--workdir', str(tmp_path / 'a'), '--repeats', '1',
+                             '--no-warmup', '--strict']) == 0
+  assert '[met] within 1 point of the baseline: 0.9694 vs 0.9794 (-1.00 points)' in (
+      capsys.readouterr().out)
+  assert bench_elastic.main(['--workdir', str(tmp_path / 'b'), '--repeats', '2',
+                             '--no-warmup']) == 0
+  out = capsys.readouterr().out
+  assert ('[NOT met] within 1 point of the baseline: 0.9694 vs 0.9794 (-1.00 points); '
+          'pair 2: 0.9500 vs 0.9794 (-2.94 points)') in out
+  assert '[met] wall time <= 0.70 x the baseline: 0.500' in out
+  assert bench_elastic.main(['--workdir', str(tmp_path / 'c'), '--repeats', '2',
+                             '--no-warmup', '--strict']) == 1
 
 
 @pytest.mark.parametrize('argv, message', [(['--repeats', '0'], '--repeats must be >= 1')])
