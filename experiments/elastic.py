@@ -173,7 +173,8 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
     vocab = len(text_data.load_tokenizer(_tokenizer_path(config)))
     overrides.update(vocab_size=vocab, num_labels=data.num_classes,
                      max_position_embeddings=max(512, data.max_seq_length))
-    created = models.create(kind, models.config_for(kind, **overrides), seed=config.seed)
+    created = models.create(kind, models.config_for(kind, **overrides), seed=config.seed,
+                            init_cache=runtime.init_cache_dir(), log=_log)
   limit = created.model.hf_config.max_position_embeddings
   if data.max_seq_length > limit:
     raise ConfigError(f'data.max_seq_length={data.max_seq_length} exceeds the model\'s '
@@ -205,7 +206,8 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
     raise ConfigError(f"model.preset must be 'auto', 'custom' or one of {vits}, got {preset!r}")
   overrides.update(image_size=data.image_size, num_channels=data.channels,
                    num_labels=data.num_classes)
-  return models.create('vit', models.config_for('vit', **overrides), seed=config.seed)
+  return models.create('vit', models.config_for('vit', **overrides), seed=config.seed,
+                       init_cache=runtime.init_cache_dir(), log=_log)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import jax
 from transformers import BertConfig, ViTConfig
 
 from models import bert, vit
+from models import init_cache as init_cache_lib
 from models.layered import LayeredModel, num_units
 
 #: Named architectures (HF configs of the published models).
@@ -70,7 +71,8 @@ def config_for(kind: str, **overrides):
 
 
 def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: int = 0,
-           abstract: bool = False, num_labels: int | None = None) -> Created:
+           abstract: bool = False, num_labels: int | None = None,
+           init_cache: str | None = None, log=print) -> Created:
   """Creates a layered model and its canonical parameters.
 
   Args:
@@ -85,6 +87,10 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
       checkpoint's (the head is then freshly initialised).
     abstract: return ``jax.ShapeDtypeStruct`` leaves instead of arrays (for
       planning without allocating the model).
+    init_cache: a directory that keeps random initialisations (see
+      :mod:`models.init_cache`: the same bits, read instead of recomputed);
+      None initialises every time.
+    log: where a cache problem is reported (one line).
   """
   hf_class = _hf_class(kind)
   if pretrained is not None:
@@ -93,14 +99,16 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
   else:
     if hf_config is None:
       raise ValueError('create() needs hf_config or pretrained')
-    hf = hf_class(hf_config, seed=seed, _do_init=False)
-    rng = jax.random.PRNGKey(seed)
-    init = hf.init_weights
-    shape = hf.input_shape
-    model = build(kind, hf_config)
+
+    def init():  # the HF wrapper alone traces the whole init (1 s): built only when needed
+      hf = hf_class(hf_config, seed=seed, _do_init=False)
+      return hf.init_weights(jax.random.PRNGKey(seed), hf.input_shape)
+
     if abstract:
-      return Created(model, jax.eval_shape(lambda: model.from_hf(init(rng, shape))), hf_class)
-    hf_params = init(rng, shape)
+      model = build(kind, hf_config)
+      return Created(model, jax.eval_shape(lambda: model.from_hf(init())), hf_class)
+    hf_params = init_cache_lib.cached_init(
+        init_cache, init_cache_lib.key(hf_class, hf_config, seed), init, log)
   model = build(kind, hf_config)
   params = model.from_hf(hf_params)
   return Created(model=model, params=params, hf_class=hf_class)

@@ -44,3 +44,11 @@ def program_store_dir() -> str | None:
   path = os.environ.get('PIPEJAX_PROGRAM_STORE',
                         os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'programs'))
   return path or None
+
+
+def init_cache_dir() -> str | None:
+  """Where :mod:`models.init_cache` keeps random initialisations:
+  ``$PIPEJAX_INIT_CACHE`` (empty: off), by default ``~/.cache/pipejax/init``."""
+  path = os.environ.get('PIPEJAX_INIT_CACHE',
+                        os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'init'))
+  return path or None

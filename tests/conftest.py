@@ -6,9 +6,12 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
-# Runs started by tests keep their traced programs apart from the user's.
+# Runs started by tests keep their traced programs and initialisations apart
+# from the user's.
 os.environ.setdefault('PIPEJAX_PROGRAM_STORE', os.path.join(
     os.path.expanduser('~'), '.cache', 'pipejax', 'programs-tests'))
+os.environ.setdefault('PIPEJAX_INIT_CACHE', os.path.join(
+    os.path.expanduser('~'), '.cache', 'pipejax', 'init-tests'))
 
 import warnings  # noqa: E402
 

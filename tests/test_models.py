@@ -126,3 +126,66 @@ def test_pretrained_vit_from_local_directory(tmp_path):
                                 hf.params['vit']['embeddings']['cls_token'])
   with pytest.raises(ValueError, match='cannot load pretrained model'):
     models.create('vit', pretrained=str(tmp_path / 'missing'))
+
+
+def _vit_config(**overrides):
+  return models.config_for('vit', **dict(fixtures.TINY['vit'], num_hidden_layers=2, **overrides))
+
+
+def _bits(tree):
+  """Every leaf's bytes, by path (comparable with ==)."""
+  return {jax.tree_util.keystr(k): np.asarray(v).tobytes()
+          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_random_initialisation_is_cached_bit_for_bit(tmp_path, monkeypatch):
+  """The second create() of the same model, config and seed reads the
+  parameters (bit for bit those of a fresh initialisation) without running
+  HF's init; another seed or config is another entry."""
+  import transformers  # noqa: PLC0415
+  cache = str(tmp_path / 'init')
+  fresh = models.create('vit', _vit_config(), seed=3)
+  first = models.create('vit', _vit_config(), seed=3, init_cache=cache)
+  assert len(os.listdir(cache)) == 1
+  calls = []
+  real = transformers.FlaxViTForImageClassification.init_weights
+
+  def counted(self, *args, **kwargs):
+    calls.append(1)
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(transformers.FlaxViTForImageClassification, 'init_weights', counted)
+  again = models.create('vit', _vit_config(), seed=3, init_cache=cache)
+  assert calls == []  # read, not initialised
+  assert _bits(fresh.params) == _bits(first.params) == _bits(again.params)
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(again.params))
+  other_seed = models.create('vit', _vit_config(), seed=4, init_cache=cache)
+  other_config = models.create('vit', _vit_config(initializer_range=0.05), seed=3,
+                               init_cache=cache)
+  assert calls and len(os.listdir(cache)) == 3  # initialised (HF calls init_weights twice)
+  assert _bits(other_seed.params) != _bits(fresh.params) != _bits(other_config.params)
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'empty'])
+def test_an_unreadable_initialisation_entry_is_replaced_in_one_line(tmp_path, damage):
+  cache = tmp_path / 'init'
+  fresh = models.create('vit', _vit_config(), seed=0, init_cache=str(cache))
+  [entry] = list(cache.iterdir())
+  data = entry.read_bytes()
+  entry.write_bytes({'truncate': data[:len(data) // 2], 'garbage': b'not a zip file' * 10,
+                     'empty': b''}[damage])
+  lines = []
+  again = models.create('vit', _vit_config(), seed=0, init_cache=str(cache), log=lines.append)
+  assert len(lines) == 1 and 'is unreadable' in lines[0] and 'initialised afresh' in lines[0]
+  assert '\n' not in lines[0]
+  assert _bits(again.params) == _bits(fresh.params)
+  assert entry.read_bytes() == data  # rewritten whole
+
+
+def test_initialisation_cache_keeps_the_most_recent_entries_within_its_size(tmp_path):
+  from models import init_cache  # noqa: PLC0415
+  cache = str(tmp_path / 'init')
+  for seed in range(3):
+    init_cache.cached_init(cache, f'{seed:040d}', lambda: {'w': np.zeros(1000, np.float32)},
+                           max_bytes=2500 * 4)
+  assert sorted(os.listdir(cache)) == [f'init-{s:040d}.npz' for s in (1, 2)]

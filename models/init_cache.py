@@ -1,0 +1,104 @@
+"""A disk cache of HF random initialisations, keyed by everything they depend on.
+
+Initialising an HF Flax model eagerly runs (and compiles) hundreds of small
+random ops: 2.2 s of every start of the embedded default on a 2-core CPU, as
+long as its checkpoints, evaluation and transitions together. The result is a
+pure function of the model class, its config, the seed, the library versions
+and JAX's PRNG settings, so it is kept, bit for bit, in
+``<dir>/init-<digest>.npz`` and read back (milliseconds) by the next run with
+the same key. Entries are written atomically; an unreadable one is reported in
+one line, removed and initialised afresh; the least recently used entries
+beyond ``max_bytes`` are removed.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import uuid
+import zipfile
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+DEFAULT_MAX_BYTES = 2 << 30
+_LIBRARIES = ('jax', 'jaxlib', 'flax', 'transformers', 'numpy')
+_SEPARATOR = '\x1f'  # not in any parameter name
+
+
+def key(hf_class: type, hf_config, seed: int) -> str:
+  """The digest that names an initialisation."""
+  versions = {}
+  for lib in _LIBRARIES:
+    try:
+      versions[lib] = importlib.metadata.version(lib)
+    except importlib.metadata.PackageNotFoundError:
+      versions[lib] = 'absent'
+  prng = {name: str(getattr(jax.config, name, None))
+          for name in ('jax_default_prng_impl', 'jax_threefry_partitionable', 'jax_enable_x64')}
+  payload = {'class': f'{hf_class.__module__}.{hf_class.__qualname__}',
+             'config': hf_config.to_dict(), 'seed': int(seed), 'versions': versions,
+             'prng': prng}
+  return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
+                log: Callable[[str], None] = print, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+  """``init()``'s parameter tree, from ``directory`` when it holds ``digest``
+  (``directory`` None: always ``init()``)."""
+  if not directory:
+    return init()
+  directory = os.path.expanduser(directory)
+  path = os.path.join(directory, f'init-{digest[:40]}.npz')
+  if os.path.exists(path):
+    try:
+      with np.load(path, allow_pickle=False) as entry:
+        flat = {tuple(name.split(_SEPARATOR)): jnp.asarray(entry[name]) for name in entry.files}
+      os.utime(path)  # recently used: kept by _trim
+      return traverse_util.unflatten_dict(flat)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+      log(f'initialisation cache: {path} is unreadable ({type(e).__name__}: {str(e)[:120]}); '
+          f'removed and initialised afresh')
+      _remove(path)
+  params = init()
+  try:
+    os.makedirs(directory, exist_ok=True)
+    flat = traverse_util.flatten_dict(params)
+    tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+    with open(tmp, 'wb') as f:
+      np.savez(f, **{_SEPARATOR.join(k): np.asarray(v) for k, v in flat.items()})
+    os.replace(tmp, path)  # readers see a whole entry or none
+    _trim(directory, max_bytes)
+  except OSError as e:
+    log(f'initialisation cache {directory} is unusable ({e}); initialising every run')
+  return params
+
+
+def _trim(directory: str, max_bytes: int) -> None:
+  """Removes the least recently used entries beyond ``max_bytes``."""
+  entries = []
+  for name in os.listdir(directory):
+    if name.startswith('init-'):
+      path = os.path.join(directory, name)
+      try:
+        st = os.stat(path)
+      except OSError:
+        continue
+      entries.append((st.st_mtime, st.st_size, path))
+  total = sum(size for _, size, _ in entries)
+  for _, size, path in sorted(entries):
+    if total <= max_bytes:
+      break
+    _remove(path)
+    total -= size
+
+
+def _remove(path: str) -> None:
+  try:
+    os.remove(path)
+  except OSError:
+    pass
