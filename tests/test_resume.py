@@ -214,6 +214,29 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
     checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
 
 
+def _wait_until_quiet(directory: str, timeout: float = 30.0) -> None:
+  """Waits until nothing under ``directory`` changes for 0.5 s. Orbax reports
+  a save's first failed item while its other items may still be writing into
+  the temporary directory; a process that exits stops them, but a second run
+  in this same process could find files appearing under its clean-up."""
+  def snapshot():
+    out = []
+    for root, _, files in os.walk(directory):
+      for name in files:
+        try:
+          out.append((root, name, os.path.getsize(os.path.join(root, name))))
+        except OSError:
+          pass
+    return sorted(out)
+  deadline, last = time.time() + timeout, None
+  while time.time() < deadline:
+    now = snapshot()
+    if now == last:
+      return
+    last = now
+    time.sleep(0.5)
+
+
 def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, monkeypatch,
                                                                        capsys):
   """A run whose second checkpoint hits a full disk stops in one line; the
@@ -235,6 +258,7 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert len(err) == 1 and 'No space left on device' in err[0]
   assert os.path.join('checkpoints', '2') in err[0]
   monkeypatch.undo()
+  _wait_until_quiet(os.path.join(workdir, 'checkpoints'))
   assert elastic.main(config(), workdir, task='vit') == 0
   assert f'resuming from {os.path.join(os.path.abspath(workdir), "checkpoints", "2")}' in (
       capsys.readouterr().out)
