@@ -71,6 +71,9 @@ def check_config(config, num_devices_available: int) -> None:
   if c.train.batch_mode == 'constant' and c.train.batch_size % n:
     raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of the {n} '
                       f'devices (the frozen prefix and evaluation split it over all of them)')
+  if c.train.eval_batch_size < 0 or c.train.eval_batch_size % n:
+    raise ConfigError(f'train.eval_batch_size={c.train.eval_batch_size} must be 0 (4 x the '
+                      f'global batch) or a multiple of the {n} devices')
   if c.cache.policy not in frozen_prefix.CACHE_POLICIES:
     raise ConfigError(f'cache.policy must be one of {frozen_prefix.CACHE_POLICIES}, got '
                       f'{c.cache.policy!r}')
@@ -375,9 +378,11 @@ def _loaders(config, data):
     return (Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap),
             Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
                    max_steps=cap))
-  if shards % processes or config.train.batch_size % shards:
+  if shards % processes or config.train.batch_size % shards or (
+      config.train.eval_batch_size % shards):
     raise ConfigError(f'distributed.data_shards={shards} must be a multiple of the {processes} '
-                      f'processes and divide train.batch_size={config.train.batch_size}')
+                      f'processes and divide train.batch_size={config.train.batch_size} '
+                      f'(and train.eval_batch_size={config.train.eval_batch_size})')
   per = shards // processes
   local = tuple(range(jax.process_index() * per, (jax.process_index() + 1) * per))
   if config.train.batch_mode != 'constant':

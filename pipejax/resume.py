@@ -3,11 +3,12 @@ cleanly on SIGTERM / SIGINT.
 
 *Identity.* A checkpoint records the config keys that give its state a
 meaning — the seed, the data, the model (and the HF model config), every
-``train`` key but ``train.epochs``, every ``freeze`` key but
+``train`` key but ``train.epochs`` and ``train.eval_batch_size``, every ``freeze`` key but
 ``freeze.compile_ahead`` — and a run refuses a checkpoint whose identity
 differs, naming the keys. Left out on purpose: ``train.epochs`` (a run may be
 extended; the learning-rate schedule then follows the new total from the
-resumed step on), ``pipeline.*`` (the plan is recomputed for the devices at
+resumed step on), ``train.eval_batch_size`` (evaluation only reads the
+state), ``pipeline.*`` (the plan is recomputed for the devices at
 hand), ``cache.*``, ``checkpoint.*`` and ``resume``.
 
 *Exit codes* of the entry points: 0 done, 2 bad input or a refused
@@ -27,7 +28,7 @@ from typing import Any, Callable
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (the same command resumes)
 EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
 
-_EXCLUDED = {'train': ('epochs',), 'freeze': ('compile_ahead',)}
+_EXCLUDED = {'train': ('epochs', 'eval_batch_size'), 'freeze': ('compile_ahead',)}
 _SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
 
 

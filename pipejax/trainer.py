@@ -37,6 +37,10 @@ from pipejax.programs import ProgramStore
 Params = Any
 PROFILE_ROUNDS = 2  # timed steps per micro-batch candidate
 _EVAL_BATCHES_IN_FLIGHT = 8  # evaluation waits for the batch this many back
+# Evaluation's default batch, in global train batches: a forward keeps no
+# activations for a backward and no optimizer state, and fewer, larger batches
+# cost fewer dispatches (the default run's evaluation: 2.1 -> 1.4 s).
+EVAL_BATCH_FACTOR = 4
 
 
 @dataclasses.dataclass
@@ -642,13 +646,20 @@ class Trainer:
       count += float(n)
     return {'eval_accuracy': correct / max(count, 1.0)}
 
-  def _eval_loader(self) -> Loader:
-    """The eval loader at the run's starting global batch, whatever the plan
-    (so ``batch_mode='per_pipeline'``, whose batch grows with R, does not
-    recompile evaluation at a transition)."""
+  def eval_batch_size(self) -> int:
+    """``train.eval_batch_size``, by default :data:`EVAL_BATCH_FACTOR` times the
+    run's starting global batch, whatever the plan (so
+    ``batch_mode='per_pipeline'``, whose batch grows with R, does not recompile
+    evaluation at a transition)."""
+    size = self.config.train.get('eval_batch_size', 0)
+    if size:
+      return int(size)
     replicas = self.num_devices // self.initial_length
-    return dataclasses.replace(self.eval_loader, batch_size=autodp.global_batch_size(
-        self.config.train.batch_size, replicas, self.config.train.batch_mode))
+    return EVAL_BATCH_FACTOR * autodp.global_batch_size(
+        self.config.train.batch_size, replicas, self.config.train.batch_mode)
+
+  def _eval_loader(self) -> Loader:
+    return dataclasses.replace(self.eval_loader, batch_size=self.eval_batch_size())
 
   def _eval_compiled(self, param_shapes, batch_shapes, background: bool = False):
     """A future of the evaluation forward compiled for these shapes (from the

@@ -216,7 +216,8 @@ def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(
   """run() compiles the evaluation forward in the background thread while the
   first epoch trains; a later trainer of the same run loads it from the
   program store without tracing the model; the accuracy is the model's own
-  count over the whole eval set (40 samples: the last batch of 16 padded)."""
+  count over the whole eval set (40 samples: one batch of 4 x 16, padded), and
+  the same in batches of 8 (train.eval_batch_size)."""
   from pipejax import programs as programs_lib  # noqa: PLC0415
   config = _config(epochs=1)
   created = fixtures.tiny('vit', num_layers=4)
@@ -255,6 +256,10 @@ def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(
                       {k: jnp.asarray(v) for k, v in data.items()})[1]
   assert float(metrics['count']) == 40
   assert accuracy == float(metrics['correct']) / 40
+  assert second.eval_batch_size() == 64
+  with second.config.unlocked():
+    second.config.train.eval_batch_size = 8  # 5 batches
+  assert second.evaluate(first.canonical_params())['eval_accuracy'] == accuracy
 
 
 class _CountingSource(ArraySource):

@@ -114,6 +114,8 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.pipeline.micro_batches=24'],
      'batch size 32 is not divisible by replicas x micro-batches = 1 x 24 = 24'),
     (['--config.train.batch_size=4096'], 'training samples; lower train.batch_size'),
+    (['--config.train.eval_batch_size=12'],
+     'train.eval_batch_size=12 must be 0 (4 x the global batch) or a multiple of the 8 devices'),
     (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
      'imagenet2012 is not prepared'),
     (['--config.train.no_such_key=1'], 'no_such_key'),
