@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from pipejax import diskcache
+
 DEFAULT_MAX_BYTES = 2 << 30
 _LIBRARIES = ('jax', 'jaxlib', 'flax', 'transformers', 'numpy')
 _SEPARATOR = '\x1f'  # not in any parameter name
@@ -58,12 +60,12 @@ def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
     try:
       with np.load(path, allow_pickle=False) as entry:
         flat = {tuple(name.split(_SEPARATOR)): jnp.asarray(entry[name]) for name in entry.files}
-      os.utime(path)  # recently used: kept by _trim
+      os.utime(path)  # recently used: kept by diskcache.trim
       return traverse_util.unflatten_dict(flat)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
       log(f'initialisation cache: {path} is unreadable ({type(e).__name__}: {str(e)[:120]}); '
           f'removed and initialised afresh')
-      _remove(path)
+      diskcache.remove(path)
   params = init()
   try:
     os.makedirs(directory, exist_ok=True)
@@ -72,33 +74,7 @@ def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
     with open(tmp, 'wb') as f:
       np.savez(f, **{_SEPARATOR.join(k): np.asarray(v) for k, v in flat.items()})
     os.replace(tmp, path)  # readers see a whole entry or none
-    _trim(directory, max_bytes)
+    diskcache.trim(directory, '.npz', max_bytes)
   except OSError as e:
     log(f'initialisation cache {directory} is unusable ({e}); initialising every run')
   return params
-
-
-def _trim(directory: str, max_bytes: int) -> None:
-  """Removes the least recently used entries beyond ``max_bytes``."""
-  entries = []
-  for name in os.listdir(directory):
-    if name.startswith('init-'):
-      path = os.path.join(directory, name)
-      try:
-        st = os.stat(path)
-      except OSError:
-        continue
-      entries.append((st.st_mtime, st.st_size, path))
-  total = sum(size for _, size, _ in entries)
-  for _, size, path in sorted(entries):
-    if total <= max_bytes:
-      break
-    _remove(path)
-    total -= size
-
-
-def _remove(path: str) -> None:
-  try:
-    os.remove(path)
-  except OSError:
-    pass

@@ -45,6 +45,8 @@ import numpy as np
 from jax import export as jax_export
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pipejax import diskcache
+
 DEFAULT_MAX_BYTES = 1 << 30
 _LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax', 'transformers', 'numpy')
 
@@ -148,7 +150,7 @@ class ProgramStore:
         self._count('corrupt')
         self.log(f'program store: {os.path.basename(path)} is unusable '
                  f'({type(e).__name__}: {str(e)[:160]}); removed and traced afresh')
-        _remove(path)
+        diskcache.remove(path)
       else:
         self._count('hits', 'load_seconds', time.perf_counter() - t0)
         _touch(path)  # recently used: kept by _trim
@@ -219,27 +221,11 @@ class ProgramStore:
         f.write(entry)
       os.replace(tmp, path)
     except OSError as e:
-      _remove(tmp)
+      diskcache.remove(tmp)
       self.log(f'program store: cannot write {path} ({e}); it is traced again next time')
 
   def _trim(self, max_bytes: int) -> None:
-    entries = []
-    for name in os.listdir(self.directory):
-      full = os.path.join(self.directory, name)
-      try:
-        st = os.stat(full)
-      except OSError:
-        continue
-      if name.endswith('.tmp') and time.time() - st.st_mtime > 3600:
-        _remove(full)  # left by a killed writer
-      elif name.endswith('.jaxexport'):
-        entries.append((st.st_mtime, st.st_size, full))
-    total = sum(size for _, size, _ in entries)
-    for _, size, full in sorted(entries):
-      if total <= max_bytes:
-        break
-      _remove(full)
-      total -= size
+    diskcache.trim(self.directory, '.jaxexport', max_bytes)
 
   def stats(self) -> dict:
     return {'programs_loaded': self.hits, 'programs_traced': self.misses,
@@ -271,8 +257,3 @@ def _touch(path: str) -> None:
     pass
 
 
-def _remove(path: str) -> None:
-  try:
-    os.remove(path)
-  except OSError:
-    pass

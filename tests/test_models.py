@@ -184,8 +184,13 @@ def test_an_unreadable_initialisation_entry_is_replaced_in_one_line(tmp_path, da
 
 def test_initialisation_cache_keeps_the_most_recent_entries_within_its_size(tmp_path):
   from models import init_cache  # noqa: PLC0415
-  cache = str(tmp_path / 'init')
+  cache = tmp_path / 'init'
+  cache.mkdir()
+  killed, writing = cache / 'init-x.npz.1.tmp', cache / 'init-y.npz.2.tmp'
+  killed.write_bytes(b'partial')
+  writing.write_bytes(b'partial')
+  os.utime(killed, (0, os.path.getmtime(killed) - 7200))  # left by a writer killed 2 h ago
   for seed in range(3):
-    init_cache.cached_init(cache, f'{seed:040d}', lambda: {'w': np.zeros(1000, np.float32)},
-                           max_bytes=2500 * 4)
-  assert sorted(os.listdir(cache)) == [f'init-{s:040d}.npz' for s in (1, 2)]
+    init_cache.cached_init(str(cache), f'{seed:040d}',
+                           lambda: {'w': np.zeros(1000, np.float32)}, max_bytes=2500 * 4)
+  assert sorted(os.listdir(cache)) == [f'init-{s:040d}.npz' for s in (1, 2)] + [writing.name]

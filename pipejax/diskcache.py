@@ -1,0 +1,38 @@
+"""Housekeeping shared by the on-disk caches (the program store, the
+initialisation cache): least-recently-used trimming and quiet removal."""
+from __future__ import annotations
+
+import os
+import time
+
+STALE_TMP_SECONDS = 3600  # a writer's temporary file older than this was left by a killed process
+
+
+def remove(path: str) -> None:
+  """Removes ``path`` if it is there (another process may have removed it)."""
+  try:
+    os.remove(path)
+  except OSError:
+    pass
+
+
+def trim(directory: str, suffix: str, max_bytes: int) -> None:
+  """Removes the least recently used ``*suffix`` entries of ``directory``
+  beyond ``max_bytes``, and ``*.tmp`` files left by killed writers."""
+  entries = []
+  for name in os.listdir(directory):
+    full = os.path.join(directory, name)
+    try:
+      st = os.stat(full)
+    except OSError:
+      continue
+    if name.endswith('.tmp') and time.time() - st.st_mtime > STALE_TMP_SECONDS:
+      remove(full)
+    elif name.endswith(suffix):
+      entries.append((st.st_mtime, st.st_size, full))
+  total = sum(size for _, size, _ in entries)
+  for _, size, full in sorted(entries):
+    if total <= max_bytes:
+      break
+    remove(full)
+    total -= size
