@@ -13,7 +13,6 @@ beyond ``max_bytes`` are removed.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import uuid
@@ -34,17 +33,11 @@ _SEPARATOR = '\x1f'  # not in any parameter name
 
 def key(hf_class: type, hf_config, seed: int) -> str:
   """The digest that names an initialisation."""
-  versions = {}
-  for lib in _LIBRARIES:
-    try:
-      versions[lib] = importlib.metadata.version(lib)
-    except importlib.metadata.PackageNotFoundError:
-      versions[lib] = 'absent'
   prng = {name: str(getattr(jax.config, name, None))
           for name in ('jax_default_prng_impl', 'jax_threefry_partitionable', 'jax_enable_x64')}
   payload = {'class': f'{hf_class.__module__}.{hf_class.__qualname__}',
-             'config': hf_config.to_dict(), 'seed': int(seed), 'versions': versions,
-             'prng': prng}
+             'config': hf_config.to_dict(), 'seed': int(seed),
+             'versions': diskcache.versions(_LIBRARIES), 'prng': prng}
   return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -60,7 +53,7 @@ def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
     try:
       with np.load(path, allow_pickle=False) as entry:
         flat = {tuple(name.split(_SEPARATOR)): jnp.asarray(entry[name]) for name in entry.files}
-      os.utime(path)  # recently used: kept by diskcache.trim
+      diskcache.touch(path)  # recently used: kept by diskcache.trim
       return traverse_util.unflatten_dict(flat)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
       log(f'initialisation cache: {path} is unreadable ({type(e).__name__}: {str(e)[:120]}); '

@@ -1,11 +1,32 @@
 """Housekeeping shared by the on-disk caches (the program store, the
-initialisation cache): least-recently-used trimming and quiet removal."""
+initialisation cache): the library versions in their keys,
+least-recently-used trimming, quiet touching and removal."""
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import time
 
 STALE_TMP_SECONDS = 3600  # a writer's temporary file older than this was left by a killed process
+
+
+def versions(libraries: tuple[str, ...]) -> dict[str, str]:
+  """Each installed library's version (``'absent'`` when it is not)."""
+  out = {}
+  for lib in libraries:
+    try:
+      out[lib] = importlib.metadata.version(lib)
+    except importlib.metadata.PackageNotFoundError:
+      out[lib] = 'absent'
+  return out
+
+
+def touch(path: str) -> None:
+  """Marks ``path`` recently used (kept by :func:`trim`); quiet if it cannot."""
+  try:
+    os.utime(path)
+  except OSError:
+    pass
 
 
 def remove(path: str) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import pickle
@@ -65,16 +64,6 @@ def code_fingerprint() -> str:
         with open(os.path.join(root, name), 'rb') as f:
           digest.update(f.read())
   return digest.hexdigest()
-
-
-def _versions() -> dict[str, str]:
-  out = {}
-  for lib in _LIBRARIES:
-    try:
-      out[lib] = importlib.metadata.version(lib)
-    except importlib.metadata.PackageNotFoundError:
-      out[lib] = 'absent'
-  return out
 
 
 def _sharding_signature(sharding) -> Any:
@@ -114,7 +103,7 @@ class ProgramStore:
     self._lock = threading.Lock()  # the counters: the main and the compile-ahead thread
     backend = jax.devices()[0]
     self._identity = hashlib.sha256(json.dumps(
-        {'code': code_fingerprint(), 'versions': _versions(),
+        {'code': code_fingerprint(), 'versions': diskcache.versions(_LIBRARIES),
          'xla_flags': os.environ.get('XLA_FLAGS', ''), 'platform': backend.platform,
          'device_kind': backend.device_kind, 'devices': jax.device_count(),
          'caller': identity}, sort_keys=True, default=str).encode()).hexdigest()
@@ -153,7 +142,7 @@ class ProgramStore:
         diskcache.remove(path)
       else:
         self._count('hits', 'load_seconds', time.perf_counter() - t0)
-        _touch(path)  # recently used: kept by _trim
+        diskcache.touch(path)  # recently used: kept by _trim
         return compiled
     t0 = time.perf_counter()
     jitted = build()
@@ -248,12 +237,3 @@ def _rebuild(description: tuple) -> NamedSharding:
   by_id = {d.id: d for d in jax.devices()}
   devices = np.array([by_id[i] for i in ids], dtype=object).reshape(shape)
   return NamedSharding(Mesh(devices, axis_names), P(*spec), memory_kind=memory_kind)
-
-
-def _touch(path: str) -> None:
-  try:
-    os.utime(path)
-  except OSError:
-    pass
-
-
