@@ -550,7 +550,7 @@ class Trainer:
     epoch: the running sums are in the state). ``after_step(epoch, steps)``
     runs after every step and any transition it ended (interrupts and
     step-count checkpoints)."""
-    loader = dataclasses.replace(self.train_loader, batch_size=self.batch_size(self.plan))
+    loader = self._train_loader()
     every = self.config.freeze.timestep_steps
     start = time.perf_counter()
     steps = start_step
@@ -657,6 +657,11 @@ class Trainer:
     replicas = self.num_devices // self.initial_length
     return EVAL_BATCH_FACTOR * autodp.global_batch_size(
         self.config.train.batch_size, replicas, self.config.train.batch_mode)
+
+  def _train_loader(self) -> Loader:
+    """The train loader at the plan's global batch (per_pipeline: it grows
+    with R, so an epoch has fewer steps)."""
+    return dataclasses.replace(self.train_loader, batch_size=self.batch_size(self.plan))
 
   def _eval_loader(self) -> Loader:
     return dataclasses.replace(self.eval_loader, batch_size=self.eval_batch_size())
@@ -878,9 +883,7 @@ class Trainer:
     for epoch in range(start_epoch, epochs):
       if epoch + 1 < epochs and not by_steps:
         self.prepare_next(sample_batch)
-      steps = dataclasses.replace(self.train_loader,  # per_pipeline: fewer as R grows
-                                  batch_size=self.batch_size(self.plan)).steps_per_epoch()
-      with progress_factory(epoch, steps) as bar:
+      with progress_factory(epoch, self._train_loader().steps_per_epoch()) as bar:
         stats = self.train_epoch(epoch, bar, start_step if epoch == start_epoch else 0,
                                  after_step)
       transition_seconds += stats['transition_seconds']
