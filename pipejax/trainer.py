@@ -135,12 +135,45 @@ def _zeros_like(x: jax.Array) -> jax.Array:
 
 def optimizer_for(train, steps_per_epoch: int):
   """``(learning-rate schedule, optimizer)`` of a ``config.train`` section:
-  AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0."""
+  AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0.
+
+  The schedule counts *base steps*, steps of the starting global batch
+  (``steps_per_epoch`` of them an epoch): ``update(..., base_steps=n)``
+  advances it by ``n`` (default 1), so with ``train.batch_mode='per_pipeline'``,
+  where a step of R replicas holds R/R₀ starting batches, the decay follows
+  the samples seen and ends with the last epoch. Otherwise it is
+  ``optax.adamw(schedule)`` exactly (the same state tree and arithmetic).
+  """
   total = max(1, train.epochs * steps_per_epoch)
   warmup = int(train.warmup_epochs * steps_per_epoch)
   lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, max(1, warmup), total,
                                           end_value=0.0)
-  return lr, optax.adamw(lr, weight_decay=train.weight_decay)
+  return lr, optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(train.weight_decay),
+                         _scale_by_schedule_in_base_steps(lambda count: -1 * lr(count)))
+
+
+def _scale_by_schedule_in_base_steps(step_size_fn) -> optax.GradientTransformationExtraArgs:
+  """``optax.scale_by_schedule`` whose count advances by the update's
+  ``base_steps`` instead of 1 (Adam's own count, for its bias correction,
+  still counts updates)."""
+
+  def init(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None, *, base_steps=1, **extra_args):
+    del params, extra_args
+    step_size = step_size_fn(state.count)
+    updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
+    return updates, optax.ScaleByScheduleState(count=state.count + base_steps)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def schedule_count(opt_state) -> jax.Array:
+  """Base steps done: the learning-rate schedule's position in an
+  :func:`optimizer_for` state."""
+  return opt_state[-1].count
 
 
 class Trainer:
@@ -187,7 +220,11 @@ class Trainer:
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices)
-    self.steps_per_epoch = train_loader.steps_per_epoch()
+    # The learning-rate schedule's unit: a step of the starting global batch.
+    self.starting_batch_size = autodp.global_batch_size(
+        c.train.batch_size, self.num_devices // self.initial_length, c.train.batch_mode)
+    self.steps_per_epoch = dataclasses.replace(
+        train_loader, batch_size=self.starting_batch_size).steps_per_epoch()
     # What the programs of this run are traced from, besides the code and
     # their arguments (the learning-rate schedule needs the steps per epoch);
     # saving and resuming never enter a traced program.
@@ -453,11 +490,13 @@ class Trainer:
     partition = plan.partition
     state_shapes = _without_frozen(self._state_shapes(partition))
     grad = self.pipe.grad_fn(plan, state_shapes['active'], train=True).jitted
+    base_steps = self.batch_size(plan) // self.starting_batch_size
 
     def step(state, feed, tables):
       rng, step_rng = jax.random.split(state['rng'])
       loss, metrics, grads = grad(state['active'], feed, step_rng, tables)
-      updates, opt = self.optimizer.update(grads, state['opt'], state['active'])
+      updates, opt = self.optimizer.update(grads, state['opt'], state['active'],
+                                           base_steps=base_steps)
       return {**state, 'step': state['step'] + 1, 'rng': rng, 'opt': opt,
               'active': optax.apply_updates(state['active'], updates),
               'layer_norms': state['layer_norms'] + layer_grad_norms(grads, partition, tables),
@@ -654,9 +693,7 @@ class Trainer:
     size = self.config.train.get('eval_batch_size', 0)
     if size:
       return int(size)
-    replicas = self.num_devices // self.initial_length
-    return EVAL_BATCH_FACTOR * autodp.global_batch_size(
-        self.config.train.batch_size, replicas, self.config.train.batch_mode)
+    return EVAL_BATCH_FACTOR * self.starting_batch_size
 
   def _train_loader(self) -> Loader:
     """The train loader at the plan's global batch (per_pipeline: it grows
@@ -782,10 +819,16 @@ class Trainer:
     self._ahead = (old, new, self._pool.submit(self._prepare, old, new, plans,
                                                self._state_spec(), sample_batch))
 
+  def base_steps_done(self) -> int:
+    """Training so far in steps of the starting global batch (the
+    learning-rate schedule's position; the steps taken, ``state['step']``,
+    are fewer once ``batch_mode='per_pipeline'`` has grown the batch)."""
+    return int(schedule_count(self.state['opt']))
+
   def _epochs_left(self) -> int:
     """Whole epochs of training after the current step (at least 1)."""
     total = self.config.train.epochs * self.steps_per_epoch
-    return max(1, math.ceil((total - int(self.state['step'])) / self.steps_per_epoch))
+    return max(1, math.ceil((total - self.base_steps_done()) / self.steps_per_epoch))
 
   def maybe_transition(self, epoch: int, sample_batch: dict) -> float:
     """Ends a freeze timestep: decide F, and on a change re-plan, move the

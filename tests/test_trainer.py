@@ -9,10 +9,12 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from experiments import vit_imagenet
 from pipejax import autodp
+from pipejax import trainer as trainer_lib
 from pipejax import partition as part
 from pipejax.data import ArraySource, Loader
 from pipejax.trainer import Trainer, layer_grad_norms
@@ -339,9 +341,49 @@ def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy
       (0, 4, 2), (2, 4, 2), (3, 2, 4)]
   assert [r['step'] for r in rows] == [4, 8, 10]  # 64 samples in batches of 16, then 32
   assert bars == [4, 4, 2]  # the progress bars' totals
+  # The learning-rate schedule follows the samples seen, not the steps taken:
+  # a step of R = 4 holds two starting batches, so the 10 steps are 12 base
+  # steps, the schedule's whole length (3 epochs of 4), and the decay ends.
+  steps = np.diff([0] + [r['step'] for r in rows])
+  base = sum(int(n) * r['replicas'] // rows[0]['replicas'] for n, r in zip(steps, rows))
+  assert trainer.steps_per_epoch == 4 and base == 12
+  assert trainer.base_steps_done() == base
+  assert float(trainer.lr(trainer.base_steps_done())) == 0.0
+  assert float(trainer.lr(int(trainer.state['step']))) > 0.0  # where counting steps stopped
   assert all(np.isfinite(r['train_loss']) for r in rows)
   assert len(trainer._eval) == 1  # noqa: SLF001
   assert trainer.prefix.decisions  # a caching decision was timed on the plan's batch
+
+
+def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
+  """``optimizer_for`` is ``optax.adamw`` with the schedule bit for bit when
+  every step is one base step; ``base_steps=n`` moves the schedule n places
+  (per_pipeline batches) while Adam's bias correction counts updates."""
+  config = _config()
+  lr, tx = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  reference = optax.adamw(lr, weight_decay=config.train.weight_decay)
+  rng = np.random.default_rng(0)
+  params = {'w': jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), 'b': jnp.ones(3)}
+  state, ref_state, ref_params, ours = tx.init(params), reference.init(params), params, params
+  for _ in range(4):
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    updates, state = tx.update(grads, state, ours)
+    ref_updates, ref_state = reference.update(grads, ref_state, ref_params)
+    ours, ref_params = optax.apply_updates(ours, updates), optax.apply_updates(ref_params,
+                                                                              ref_updates)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref_params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert jax.tree.structure(state) == jax.tree.structure(ref_state)
+  assert int(trainer_lib.schedule_count(state)) == 4
+  # Two base steps per update: the schedule at 4, then 6; Adam's count 5.
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, doubled = tx.update(grads, state, ours, base_steps=2)
+  assert int(trainer_lib.schedule_count(doubled)) == 6
+  assert int(doubled[0].count) == 5
+  adam, _ = optax.scale_by_adam().update(grads, state[0], ours)
+  expected = jax.tree.map(lambda a, p: -lr(4) * (a + config.train.weight_decay * p), adam, ours)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
 def test_a_failed_evaluation_compile_is_raised_again_not_left_pending(monkeypatch):
