@@ -21,7 +21,6 @@ Flags, outputs and the baseline (``--config.freeze.policy=none``) are those of
 """
 from __future__ import annotations
 
-import sys
 
 from pipejax import runtime
 
@@ -56,4 +55,4 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 if __name__ == '__main__':
-  sys.exit(elastic.cli(__file__, task='bert_squad'))
+  runtime.exit_now(elastic.cli(__file__, task='bert_squad'))

@@ -139,4 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  runtime.exit_now(main())

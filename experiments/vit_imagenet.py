@@ -14,7 +14,6 @@ starts over); SIGTERM/SIGINT saves after the current step and exits with code
 """
 from __future__ import annotations
 
-import sys
 
 from pipejax import runtime
 
@@ -97,4 +96,4 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 if __name__ == '__main__':
-  sys.exit(elastic.cli(__file__, task='vit'))
+  runtime.exit_now(elastic.cli(__file__, task='vit'))

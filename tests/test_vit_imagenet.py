@@ -130,6 +130,26 @@ def test_bad_input_is_one_line(tmp_path, args, message):
   assert 'Traceback' not in out.stderr + out.stdout
 
 
+def test_entry_points_exit_with_their_code_after_the_exit_handlers_and_output(tmp_path):
+  """``runtime.exit_now`` (the training commands' last line) skips only the
+  interpreter's teardown: the exit handlers run, buffered output is written,
+  the exit code is kept."""
+  marker = tmp_path / 'handler_ran'
+  script = (f'import atexit, sys\n'
+            f'from pipejax import runtime\n'
+            f'atexit.register(lambda: open({str(marker)!r}, "w").write("ran"))\n'
+            f'sys.stdout.write("buffered, no newline")\n'
+            f'sys.stderr.write("error line")\n'
+            f'runtime.exit_now(3)\n'
+            f'print("not reached")\n')
+  out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 3
+  assert out.stdout == 'buffered, no newline'
+  assert out.stderr == 'error line'
+  assert marker.read_text() == 'ran'
+
+
 def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch, capsys):
   """A NaN loss is a one-line error with the step; no diverged state is saved."""
   real = elastic.datasets.digits
