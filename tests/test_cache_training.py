@@ -127,3 +127,53 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
   stats = trainer.prefix.cache.stats()
   assert stats['repeated_layer_passes'] == 0 and stats['layer_passes'] == 64 * 5
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 5)
+
+
+def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypatch):
+  """72 samples in batches of 16: every epoch drops 8, so the epoch after the
+  cache was filled meets samples it lacks, scattered over batches of hits.
+  They are computed before that epoch, together (one call per batch of them),
+  not one blocking prefix per batch in the step stream; their entries are the
+  prefix's output, each sample passed the frozen blocks once."""
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(policy='always')
+  trainer, data = _trainer(config, samples=72)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  for epoch in range(2):  # F = 2 after epoch 0 (cache on, empty), 3 after epoch 1
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+  cache, loader = trainer.prefix.cache, trainer.train_loader
+  assert cache.depth == 3 and trainer.prefix.use_cache
+  batches = loader.batch_ids(2)
+  lacking = np.setdiff1d(np.concatenate(batches), np.concatenate(loader.batch_ids(1)))
+  assert 0 < len(lacking) <= 8 and np.all(cache.depths(lacking) == -1)
+  misses = cache.stats()['misses']
+  fetched = []
+  real_fetch = type(cache).fetch
+
+  def spy(self, ids, *args, **kwargs):
+    fetched.append(len(ids))
+    return real_fetch(self, ids, *args, **kwargs)
+
+  monkeypatch.setattr(type(cache), 'fetch', spy)
+  assert trainer.prefix.prefetch(batches, trainer.plan, trainer.state['frozen']) == len(lacking)
+  assert fetched == [len(lacking)]  # one computation for all of them
+  assert np.all(cache.depths(np.concatenate(batches)) == 3)
+  assert cache.stats()['misses'] == misses + len(lacking)
+
+  def poison(rows):
+    raise AssertionError('an entry the prefetch stored was computed again')
+
+  model = trainer.model
+  expected = model.hidden_states(trainer.canonical_params(),
+                                 {k: data[k][lacking] for k in model.input_keys}, upto_layer=3)
+  np.testing.assert_allclose(real_fetch(cache, lacking, poison), np.asarray(expected),
+                             rtol=1e-5, atol=1e-6)
+  # The epoch itself then finds nothing missing: no miss, no pass repeated.
+  fetched.clear()
+  trainer.train_epoch(2, _Bar())
+  stats = cache.stats()
+  assert stats['misses'] == misses + len(lacking)
+  assert stats['repeated_layer_passes'] == 0
+  assert len(fetched) == loader.steps_per_epoch()  # every batch served by the cache
