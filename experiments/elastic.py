@@ -53,6 +53,9 @@ def check_config(config, num_devices_available: int) -> None:
   if c.pipeline.schedule not in schedule.SCHEDULES:
     raise ConfigError(f'pipeline.schedule must be one of {sorted(schedule.SCHEDULES)}, got '
                       f'{c.pipeline.schedule!r}')
+  if c.pipeline.exchange not in ('auto',) + pipeline.EXCHANGES:
+    raise ConfigError(f"pipeline.exchange must be 'auto' or one of {pipeline.EXCHANGES}, got "
+                      f'{c.pipeline.exchange!r}')
   if c.pipeline.devices < 1 or c.pipeline.devices > num_devices_available:
     raise ConfigError(f'pipeline.devices={c.pipeline.devices} but {num_devices_available} '
                       f'devices are available')

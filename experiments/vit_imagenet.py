@@ -57,6 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.initial_length = 8
   c.pipeline.schedule = '1f1b'
+  c.pipeline.exchange = 'auto'  # a tick's messages: 'ppermute' or 'all_gather' (auto: by platform)
   c.pipeline.micro_batches = 0  # 0: profile M in {K, ..., 6K} once per K
   c.pipeline.profile_path = '~/.cache/pipejax/micro_batches.json'
   c.pipeline.devices = 8  # fake CPU devices when running on the CPU

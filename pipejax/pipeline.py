@@ -13,7 +13,8 @@ The executor runs any valid :class:`pipejax.schedule.Schedule` over a
     BWD (loss, then backward), so a pipeline of length 1 costs what plain
     data parallelism costs;
   - ``IDLE``: nothing (a bubble);
-* two ``ppermute``\\ s per tick move activations forward and cotangents back;
+* two ``ppermute``\\ s per tick move activations forward and cotangents back
+  (on CPU devices one ``all_gather`` carries both: see :data:`EXCHANGES`);
   arrivals land in the buffer slots chosen by :func:`pipejax.schedule.buffer_plan`;
 * at the end gradients are averaged over ``'data'`` (and summed over
   ``'stage'`` for the replicated embedding and head, which only their own
@@ -138,7 +139,7 @@ def program_key(plan: Plan) -> tuple:
 
 
 def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, train: bool,
-                fill: float, trace_counter: list | None):
+                fill: float, trace_counter: list | None, exchange: str = 'ppermute'):
   """The per-device program: run ``sched`` for one (replica, stage). Only
   what :func:`program_key` names is read from ``plan``; the slot tables come
   in as the last argument."""
@@ -249,7 +250,18 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
       branches = [idle, forward, backward] if training else [idle, forward, idle]
       send_act, send_cot, grads, loss_sum, metric_sum = (
           branches[op]() if single else lax.switch(op, branches))
-      if num_stages > 1:
+      if num_stages > 1 and training and exchange == 'all_gather':
+        # Both messages in one collective: every stage gathers what all sent
+        # and keeps the activation of the stage before and the cotangent of
+        # the one after (what the two ppermutes below deliver, zeros at the
+        # ends included).
+        sent = lax.all_gather(jnp.stack([send_act, send_cot]), STAGE)
+        before = lax.dynamic_index_in_dim(sent, jnp.maximum(stage - 1, 0), keepdims=False)
+        after = lax.dynamic_index_in_dim(sent, jnp.minimum(stage + 1, num_stages - 1),
+                                         keepdims=False)
+        act_buf = _store(act_buf, jnp.where(is_first, act_zero, before[0]), recv_act[t, stage])
+        cot_buf = _store(cot_buf, jnp.where(is_last, act_zero, after[1]), recv_cot[t, stage])
+      elif num_stages > 1:
         arrived = lax.ppermute(send_act, STAGE, [(i, i + 1) for i in range(num_stages - 1)])
         act_buf = _store(act_buf, arrived, recv_act[t, stage])
         if training:
@@ -286,6 +298,27 @@ def _store(buf: jax.Array, value: jax.Array, slot: jax.Array) -> jax.Array:
   return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, keep), index, 0)
 
 
+#: How a training tick moves its two messages between neighbouring stages:
+#: ``'ppermute'``, two point-to-point collectives (activations forward,
+#: cotangents back), each carrying only what its receiver needs; or
+#: ``'all_gather'``, one collective in which every stage gathers both messages
+#: of every stage (K times the bytes) and keeps its neighbours'.
+EXCHANGES = ('ppermute', 'all_gather')
+
+
+def default_exchange(devices) -> str:
+  """``'all_gather'`` on CPU devices, ``'ppermute'`` on accelerators.
+
+  On CPU "devices" (threads of one process, often more than the cores) every
+  collective is a rendezvous that waits until each device's thread has been
+  scheduled to reach it; with the default run's tiny messages that wait, not
+  the bytes, is the tick's cost, so one collective per tick beats two (the
+  default run's K = 8 step: see ``docs/results.md``). On accelerators the
+  bytes count and point-to-point transfers move K times fewer.
+  """
+  return 'all_gather' if devices and devices[0].platform == 'cpu' else 'ppermute'
+
+
 class _CheckedStep:
   """A compiled step of one plan that checks its batch before running it.
 
@@ -317,16 +350,23 @@ class Pipeline:
   (``trace_count`` counts traces, for tests and logs).
   """
 
-  def __init__(self, model: LayeredModel, *, devices=None, fill: float = 0.0):
+  def __init__(self, model: LayeredModel, *, devices=None, fill: float = 0.0,
+               exchange: str = 'auto'):
     """Args:
       model: the layered model.
       devices: devices to build meshes over (default: all).
       fill: value of unwritten buffers and of what a bubble sends. 0 is the
         safe default; tests poison with NaN to prove nothing leaks.
+      exchange: how a training tick moves activations forward and cotangents
+        back (see :data:`EXCHANGES`); ``'auto'`` picks
+        :func:`default_exchange` for the devices.
     """
     self.model = model
     self.devices = list(jax.devices() if devices is None else devices)
     self.fill = fill
+    self.exchange = default_exchange(self.devices) if exchange == 'auto' else exchange
+    if self.exchange not in EXCHANGES:
+      raise PlanError(f"pipeline exchange must be 'auto' or one of {EXCHANGES}, got {exchange!r}")
     self._steps: dict[tuple, Any] = {}
     self._programs: dict[tuple, Any] = {}
     self._tables: dict[tuple, tuple] = {}
@@ -369,7 +409,7 @@ class Pipeline:
       sched = make(plan.pipeline_length, plan.micro_batches)
       schedule_lib.validate(sched)
       specs = stage_param_specs(stage_params)
-      body = _stage_body(self.model, plan, sched, train, self.fill, self.traces)
+      body = _stage_body(self.model, plan, sched, train, self.fill, self.traces, self.exchange)
       out_specs = (P(), P()) if forward else (P(), P(), specs)
       mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DATA), P(), P(STAGE)),
                              out_specs=out_specs, check_vma=False)

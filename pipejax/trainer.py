@@ -219,7 +219,8 @@ class Trainer:
     self.costs = autopipe.parameter_costs(params)
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
-    self.pipe = pipeline.Pipeline(model, devices=self.devices)
+    self.pipe = pipeline.Pipeline(model, devices=self.devices,
+                                  exchange=c.pipeline.get('exchange', 'auto'))
     # The learning-rate schedule's unit: a step of the starting global batch.
     self.starting_batch_size = autodp.global_batch_size(
         c.train.batch_size, self.num_devices // self.initial_length, c.train.batch_mode)
@@ -241,7 +242,8 @@ class Trainer:
         c.pipeline.profile_path or None,
         {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,
          'batch_mode': c.train.batch_mode, 'devices': self.num_devices,
-         'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule})
+         'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule,
+         'exchange': self.pipe.exchange})
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval: dict[tuple, concurrent.futures.Future] = {}  # compiled evaluation forwards

@@ -1,4 +1,6 @@
 """The SPMD pipeline equals a plain sequential model, for every (K, R)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -260,3 +262,41 @@ def test_freeze_event_at_the_same_length_reuses_the_program_exactly():
       g = np.asarray(g)
       np.testing.assert_array_equal(g[:, :width], np.asarray(own))
       assert np.all(g[:, width:] == 0.0)  # padding: exactly zero, and not NaN
+
+
+@pytest.mark.parametrize('kind,k,schedule,sizes', [
+    ('vit', 8, '1f1b', (1,) * 8),
+    ('vit', 4, '1f1b', (4, 1, 3, 2)),
+    ('vit', 2, 'gpipe', (1, 9)),
+    ('bert-question_answering', 8, '1f1b', (2, 1, 1, 1, 1, 2, 1, 1)),
+])
+def test_both_exchanges_give_the_same_step_bit_for_bit(kind, k, schedule, sizes):
+  """One all-gather per tick (CPU's default) delivers exactly what the two
+  ppermutes do, bubbles' NaN kept out; and each compiles to what it says."""
+  created, partition = _case(kind, k, sizes)
+  model, params = created.model, created.params
+  batch = fixtures.batch(kind, model, (8 // k) * 2 * 2, seed=k)
+  plan = pipeline.Plan(partition, 8 // k, 2, schedule)
+  stage_params = part.to_stage_params(params, partition)
+  out, texts = {}, {}
+  for exchange in pipeline.EXCHANGES:
+    pipe = pipeline.Pipeline(model, fill=NAN, exchange=exchange)
+    step = pipe.grad_fn(plan, stage_params, train=False)
+    out[exchange] = jax.device_get(step(stage_params, batch, jax.random.PRNGKey(0)))
+    texts[exchange] = step.jitted.lower(stage_params, batch, jax.random.PRNGKey(0),
+                                        step.tables).as_text()
+  for a, b in zip(jax.tree.leaves(out['ppermute']), jax.tree.leaves(out['all_gather'])):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+  assert np.isfinite(float(out['all_gather'][0]))
+  ops = {e: re.findall(r'stablehlo\.(collective_permute|all_gather)\b', t)
+         for e, t in texts.items()}
+  assert sorted(ops['ppermute']) == ['collective_permute'] * 2  # inside the tick loop
+  assert ops['all_gather'] == ['all_gather']
+
+
+def test_exchange_defaults_to_one_collective_on_cpu_and_refuses_unknown_names():
+  created, _ = _case('vit', 4, None)
+  assert pipeline.default_exchange(jax.devices()) == 'all_gather'
+  assert pipeline.Pipeline(created.model).exchange == 'all_gather'
+  with pytest.raises(pipeline.PlanError, match="exchange must be 'auto' or one of"):
+    pipeline.Pipeline(created.model, exchange='broadcast')

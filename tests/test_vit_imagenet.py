@@ -109,6 +109,7 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
 @pytest.mark.parametrize('args,message', [
     (['--config.freeze.alpha=1.5'], 'alpha must be in (0, 1), got 1.5'),
     (['--config.freeze.policy=eq1'], "unknown freeze policy 'eq1'"),
+    (['--config.pipeline.exchange=broadcast'], "pipeline.exchange must be 'auto' or one of"),
     (['--config.pipeline.initial_length=3'], 'initial_length=3 does not divide the 8 devices'),
     (['--config.train.batch_size=60'], 'batch_size=60 must be a multiple of the 8 devices'),
     (['--config.pipeline.micro_batches=24'],
