@@ -203,6 +203,11 @@ class ActivationCache:
     self.close()
 
   # -- queries ------------------------------------------------------------------
+  @property
+  def num_owned(self) -> int:
+    """How many sample IDs this cache may hold (its ``own_ids``, or all)."""
+    return self.num_samples if self._owned is None else int(self._owned.sum())
+
   def contains(self, sample_ids: np.ndarray) -> np.ndarray:
     """``[n]`` bool: which IDs have an entry at the current depth."""
     self._settle()

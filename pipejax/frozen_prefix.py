@@ -52,7 +52,8 @@ from pipejax.programs import ProgramStore
 
 Params = Any
 CACHE_POLICIES = ('profile', 'always')
-ADVANCE_BATCHES = 8  # cached entries are advanced this many batches at a time
+#: Cached entries are advanced in calls of up to this many bytes (as float32).
+ADVANCE_BYTES = 256 << 20
 
 
 class FrozenPrefix:
@@ -218,7 +219,7 @@ class FrozenPrefix:
                                    lambda: self.prefix_fn(plan, local=True))
     if 0 < from_depth < plan.partition.num_frozen_layers:
       spread = self._layout(plan, local)[1]
-      chunk = ADVANCE_BATCHES * batch_size
+      chunk = self.advance_size(batch_size)
       h = jax.ShapeDtypeStruct((chunk,) + hidden.shape[1:], hidden.dtype, sharding=spread)
       extra = {k: jax.ShapeDtypeStruct((chunk,) + v.shape[1:], v.dtype, sharding=spread)
                for k, v in inputs.items() if k in self.model.block_keys}
@@ -226,6 +227,17 @@ class FrozenPrefix:
       out[('advance', key)] = store('advance', key, (frozen_shapes, h, extra),
                                     lambda: self.advance_fn(plan, from_depth, local))
     return out
+
+  def advance_size(self, batch_size: int) -> int:
+    """Samples per call when cached entries are advanced (the compiled
+    shape): whole batches, enough for every sample this process may cache in
+    one call unless that exceeds :data:`ADVANCE_BYTES`, and at least one
+    batch. Each call is a round trip through the host that waits for the
+    devices, so fewer is faster: the default run advances its 1,437 entries in
+    one call (it took 6 of 256)."""
+    entry = int(np.prod(self.cache.entry_shape)) * 4
+    whole = -(-self.cache.num_owned // batch_size)
+    return max(1, min(whole, ADVANCE_BYTES // max(entry * batch_size, 1))) * batch_size
 
   def adopt(self, compiled: dict) -> None:
     """Takes executables from :meth:`compile_ahead`."""
@@ -281,10 +293,10 @@ class FrozenPrefix:
   def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray,
                     from_depth: int) -> np.ndarray:
     """Cached entries ``hidden [m, seq, hidden]`` pushed from ``from_depth`` to
-    the plan's depth (padded to ``ADVANCE_BATCHES`` batches, the compiled
+    the plan's depth (padded to :meth:`advance_size`, the compiled
     shape; with several processes on this process's devices, batches of its
     own samples)."""
-    size = ADVANCE_BATCHES * self.local_batch_size
+    size = self.advance_size(self.local_batch_size)
     m = len(ids)
     pad = np.concatenate([np.arange(m), np.zeros(size - m, np.int64)]) if m < size else None
     rows = (lambda a: a[pad]) if pad is not None else (lambda a: a)
@@ -327,7 +339,7 @@ class FrozenPrefix:
     if self.use_cache and filled:  # this process's entries (a local computation)
       self.cache.advance(depth, lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h,
                                                                           d0),
-                         ADVANCE_BATCHES * self.local_batch_size)
+                         self.advance_size(self.local_batch_size))
     else:  # nothing to carry over: entries (if any) were filled at a depth no longer served
       self.cache.advance(depth)
       self.cache.clear()

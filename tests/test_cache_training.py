@@ -177,3 +177,33 @@ def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypa
   assert stats['misses'] == misses + len(lacking)
   assert stats['repeated_layer_passes'] == 0
   assert len(fetched) == loader.steps_per_epoch()  # every batch served by the cache
+
+
+def test_entries_are_advanced_in_as_few_calls_as_the_byte_budget_allows(monkeypatch):
+  """Each advance call is a round trip that waits for the devices: a freeze
+  event moves all 64 entries in one call, unless ADVANCE_BYTES says less (and
+  never less than a batch)."""
+  from pipejax import frozen_prefix  # noqa: PLC0415
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(policy='always')
+  trainer, _ = _trainer(config)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  calls = []
+  real = FrozenPrefix._advance_host
+
+  def counted(self, plan, frozen, ids, hidden, from_depth):
+    calls.append(len(ids))
+    return real(self, plan, frozen, ids, hidden, from_depth)
+
+  monkeypatch.setattr(FrozenPrefix, '_advance_host', counted)
+  for epoch in range(2):  # the cache fills at depth 2 in epoch 1, then moves to 3
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+  assert trainer.prefix.cache.depth == 3 and calls == [64]
+  entry = int(np.prod(trainer.prefix.cache.entry_shape)) * 4
+  assert trainer.prefix.advance_size(16) == 64
+  monkeypatch.setattr(frozen_prefix, 'ADVANCE_BYTES', 2 * 16 * entry)
+  assert trainer.prefix.advance_size(16) == 32
+  monkeypatch.setattr(frozen_prefix, 'ADVANCE_BYTES', 1)
+  assert trainer.prefix.advance_size(16) == 16
