@@ -25,7 +25,6 @@ Flags, outputs and the baseline (``--config.freeze.policy=none``) are those of
 """
 from __future__ import annotations
 
-
 from pipejax import runtime
 
 runtime.setup(8)

@@ -14,7 +14,6 @@ starts over); SIGTERM/SIGINT saves after the current step and exits with code
 """
 from __future__ import annotations
 
-
 from pipejax import runtime
 
 runtime.setup(8)

@@ -261,9 +261,7 @@ class FrozenPrefix:
     rest = distributed.put_batch({k: batch[k] for k in self.feed_keys() if k in batch}, data)
 
     def compute(rows=None):
-      inputs = distributed.put_batch({k: batch[k] for k in self.model.input_keys},
-                                     self.spread(plan))
-      hidden = self._prefix(plan)(frozen, inputs)
+      hidden = self._forward(plan, frozen, batch)
       return hidden if rows is None else np.asarray(hidden)[rows]
 
     def compute_here(rows):  # several processes: this process's batch, on its devices
@@ -282,6 +280,13 @@ class FrozenPrefix:
     hidden = self.cache.fetch(sample_ids, compute if self.processes == 1 else compute_here,
                               lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h, d0))
     return {'hidden': distributed.put_batch(hidden, data), **rest}
+
+  def _forward(self, plan, frozen, batch: dict) -> jax.Array:
+    """The prefix's output ``[batch, seq, hidden]`` of a global ``batch`` on
+    the devices, split over ``'data'`` (not waited for)."""
+    inputs = distributed.put_batch({k: batch[k] for k in self.model.input_keys},
+                                   self.spread(plan))
+    return self._prefix(plan)(frozen, inputs)
 
   def _forward_here(self, plan, frozen, batch: dict) -> np.ndarray:
     """The prefix's output ``[local batch, seq, hidden]`` of this process's
@@ -381,11 +386,10 @@ class FrozenPrefix:
         ' — policy always: caching' if use and not decision.use_cache else ''))
     return use
 
-  def prefetch(self, batches: list[np.ndarray], plan: pipeline.Plan | None = None,
-               frozen: Params | None = None) -> int:
+  def prefetch(self, batches: list[np.ndarray], plan: pipeline.Plan, frozen: Params) -> int:
     """Prepares the cache for an epoch's ``batches`` (their sample IDs, in
     order) when it serves the current depth: computes the *stragglers* (with
-    ``plan`` and its ``frozen`` parameters), then reads disk entries ahead
+    ``plan``'s prefix and the ``frozen`` parameters), then reads disk entries ahead
     (with a disk tier). Returns the stragglers computed.
 
     A straggler is a sample without an entry in a batch that has some: a
@@ -401,9 +405,7 @@ class FrozenPrefix:
     """
     if not self.use_cache:
       return 0
-    computed = 0
-    if plan is not None and frozen is not None:
-      computed = self._fill_stragglers(plan, frozen, batches)
+    computed = self._fill_stragglers(plan, frozen, batches)
     if self.cache.disk_bytes:
       self.cache.prefetch(batches)
     return computed
@@ -428,9 +430,7 @@ class FrozenPrefix:
         batch = self.source[padded]
         if self.processes > 1:
           return self._forward_here(plan, frozen, batch)[rows]
-        inputs = distributed.put_batch({k: batch[k] for k in self.model.input_keys},
-                                       self.spread(plan))
-        return np.asarray(self._prefix(plan)(frozen, inputs))[rows]
+        return np.asarray(self._forward(plan, frozen, batch))[rows]
 
       self.cache.fetch(chunk, compute)
     self.log(f'autocache: {len(ids)} sample{"s" * (len(ids) != 1)} of this epoch that earlier '

@@ -600,8 +600,7 @@ class Trainer:
     last_step = self.config.train.epochs * self.steps_per_epoch
     # one host sync per epoch
     first_step = int(self.state['step']) - start_step if every else 0
-    if not self.plan.partition.has_embed:  # a frozen prefix feeds this plan
-      self.prefix.prefetch(loader.batch_ids(epoch, start_step), self.plan, self.state['frozen'])
+    self.prefix.prefetch(loader.batch_ids(epoch, start_step), self.plan, self.state['frozen'])
     progress.update(start_step)
     for sample_ids, batch in loader.epoch(epoch, start_step):
       m, timed = self._next_micro_batches(self.plan)
