@@ -412,11 +412,13 @@ class FrozenPrefix:
 
   def _fill_stragglers(self, plan: pipeline.Plan, frozen: Params,
                        batches: list[np.ndarray]) -> int:
-    stragglers = []
-    for ids in batches:
-      missing = self.cache.depths(ids) < 0
-      if missing.any() and not missing.all():
-        stragglers.append(np.asarray(ids)[missing])
+    if not batches:
+      return 0
+    batches = [np.asarray(ids) for ids in batches]
+    # One lookup for the whole epoch (per batch it took 0.4 s of an ImageNet epoch).
+    missing = np.split(self.cache.depths(np.concatenate(batches)) < 0,
+                       np.cumsum([len(ids) for ids in batches])[:-1])
+    stragglers = [ids[m] for ids, m in zip(batches, missing) if m.any() and not m.all()]
     if not stragglers:
       return 0
     start_time = time.perf_counter()
