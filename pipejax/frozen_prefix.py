@@ -35,6 +35,7 @@ timing is the slowest process's) and the counters in the metrics (summed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -198,7 +199,10 @@ class FrozenPrefix:
     this process's devices, which serve its cache); returns ``(kind, key) ->
     executable`` for :meth:`adopt` and the feed's shapes under ``'feed'``."""
     inputs, rest = self.abstract_inputs(plan, sample_batch, batch_size)
-    store = self.programs.compile
+    # Without XLA:CPU's library fusions (see pipejax.programs): a prefix runs
+    # for a fill epoch's batches and the stragglers, an advance once a
+    # transition; their first call's set-up outweighs what the library saves.
+    store = functools.partial(self.programs.compile, library_fusions=False)
     key = self.key(plan) + (False,)
     prefix = store('prefix', key, (frozen_shapes, inputs), lambda: self.prefix_fn(plan))
     out = {('prefix', key): prefix}

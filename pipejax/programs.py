@@ -26,6 +26,16 @@ build) is reported in one line, removed and traced afresh, never used.
 With several processes the store is off. (Serialized XLA executables are
 not stored: on the CPU, one that was itself read from JAX's cache loses its
 kernels when serialized again.)
+
+On the CPU, XLA hands dots and elementwise chains to the YNNPACK library
+("library fusions"), and each such fusion sets itself up at the first
+execution of its program: 50-250 ms per program for the default model
+(measured: the evaluation's first call 190-275 ms with them, 22-32 ms
+without; a frozen prefix's 54-190 ms against 15-28 ms), while a later call
+gains at most a millisecond from them. A program compiled with
+``library_fusions=False`` (the trainer's one-off programs: the moves, the
+portable state, the evaluation, the frozen prefix and the cache's advance)
+is compiled without them; the train step keeps XLA's default.
 """
 from __future__ import annotations
 
@@ -47,6 +57,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from pipejax import diskcache
 
 DEFAULT_MAX_BYTES = 1 << 30
+# XLA:CPU's option for the library fusions (an empty list turns them all off).
+WITHOUT_LIBRARY_FUSIONS = {'xla_cpu_experimental_ynn_fusion_type': ''}
 _LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax', 'transformers', 'numpy')
 
 
@@ -119,22 +131,26 @@ class ProgramStore:
   def enabled(self) -> bool:
     return self.directory is not None
 
-  def path(self, name: str, key: Any, args: tuple) -> str:
+  def path(self, name: str, key: Any, args: tuple, options: dict | None = None) -> str:
     digest = hashlib.sha256('\0'.join(
-        (self._identity, name, repr(key), arguments_signature(args))).encode()).hexdigest()
+        (self._identity, name, repr(key), arguments_signature(args),
+         json.dumps(options or {}, sort_keys=True))).encode()).hexdigest()
     return os.path.join(self.directory, f'{name}-{digest[:40]}.jaxexport')
 
   def compile(self, name: str, key: Any, args: tuple, build: Callable[[], Any],
-              donate_argnums: tuple[int, ...] = ()):
+              donate_argnums: tuple[int, ...] = (), library_fusions: bool = True):
     """The compiled ``build()`` (a ``jax.jit``-wrapped function, donating
     ``donate_argnums``) for ``args``: from the stored program when there,
     else traced and compiled (and stored, with the store on). ``build`` runs
-    only then."""
-    path = self.path(name, key, args) if self.enabled else None
+    only then. ``library_fusions=False``: a program that runs a few times,
+    compiled without XLA:CPU's library fusions (see the module's doc; no
+    effect on other platforms)."""
+    options = compiler_options(library_fusions)
+    path = self.path(name, key, args, options) if self.enabled else None
     if path is not None and os.path.exists(path):
       t0 = time.perf_counter()
       try:
-        compiled = self._load(path, args, donate_argnums)
+        compiled = self._load(path, args, donate_argnums, options)
       except Exception as e:  # noqa: BLE001 - any unusable entry is traced afresh
         self._count('corrupt')
         self.log(f'program store: {os.path.basename(path)} is unusable '
@@ -148,11 +164,11 @@ class ProgramStore:
     jitted = build()
     entry = None if path is None else self._export(path, jitted, args)
     if entry is None:  # store off, or not storable: compiled as traced
-      compiled = jitted.lower(*args).compile()
+      compiled = jitted.lower(*args).compile(compiler_options=options)
     else:
       # Compiled from the stored form even now, so that JAX's compilation
       # cache holds the very program later runs compile.
-      compiled = self._from_entry(entry, args, donate_argnums)
+      compiled = self._from_entry(entry, args, donate_argnums, options)
       self._write(path, entry)
     self._count('misses', 'compile_seconds', time.perf_counter() - t0)
     return compiled
@@ -164,13 +180,15 @@ class ProgramStore:
         setattr(self, seconds, getattr(self, seconds) + dt)
 
   @classmethod
-  def _load(cls, path: str, args: tuple, donate_argnums: tuple[int, ...]):
+  def _load(cls, path: str, args: tuple, donate_argnums: tuple[int, ...],
+            options: dict | None = None):
     with open(path, 'rb') as f:
       entry = f.read()
-    return cls._from_entry(entry, args, donate_argnums)
+    return cls._from_entry(entry, args, donate_argnums, options)
 
   @staticmethod
-  def _from_entry(entry: bytes, args: tuple, donate_argnums: tuple[int, ...]):
+  def _from_entry(entry: bytes, args: tuple, donate_argnums: tuple[int, ...],
+                  options: dict | None = None):
     """Compiles a stored program for ``args``: the exported module takes and
     gives flat lists; the trees around it are the arguments' and the stored
     output tree."""
@@ -182,7 +200,7 @@ class ProgramStore:
 
     shardings = out_tree.unflatten([_rebuild(d) for d in out_shardings])
     return jax.jit(call, donate_argnums=donate_argnums,
-                   out_shardings=shardings).lower(*args).compile()
+                   out_shardings=shardings).lower(*args).compile(compiler_options=options)
 
   def _export(self, path: str, jitted, args: tuple) -> bytes | None:
     """The store's entry for ``jitted`` at ``args`` (None, with one line, if
@@ -220,6 +238,14 @@ class ProgramStore:
     return {'programs_loaded': self.hits, 'programs_traced': self.misses,
             'programs_unusable': self.corrupt, 'program_load_seconds': self.load_seconds,
             'program_trace_compile_seconds': self.compile_seconds}
+
+
+def compiler_options(library_fusions: bool = True) -> dict | None:
+  """XLA options for a program (None: XLA's defaults); ``library_fusions=False``
+  turns XLA:CPU's library fusions off on the CPU backend."""
+  if library_fusions or jax.default_backend() != 'cpu':
+    return None
+  return dict(WITHOUT_LIBRARY_FUSIONS)
 
 
 def _describe(sharding) -> tuple:

@@ -357,7 +357,8 @@ class Trainer:
     key = (plan.partition, plan.num_devices)
     if key not in self._portable_compiled:
       self._portable_compiled[key] = self.programs.compile(
-          'portable', key, (state_shapes,), lambda: self._portable_fn(plan))
+          'portable', key, (state_shapes,), lambda: self._portable_fn(plan),
+          library_fusions=False)
     return self._portable_compiled[key]
 
   def canonical_params(self) -> Params:
@@ -720,7 +721,8 @@ class Trainer:
                        out_shardings=NamedSharding(flat, P()))
 
       def compile_it():
-        return self.programs.compile('eval', key[1], (param_shapes, batch_shapes), build)
+        return self.programs.compile('eval', key[1], (param_shapes, batch_shapes), build,
+                                     library_fusions=False)
 
       if background:
         self._eval[key] = self._pool.submit(compile_it)
@@ -785,7 +787,7 @@ class Trainer:
     move = self.programs.compile(
         'move', (old, new), (state_shapes,),
         lambda: autodp.relayout_fn(state_shapes, old, new, mesh, self.optimizer.init)[0],
-        donate_argnums=(0,))
+        donate_argnums=(0,), library_fusions=False)
     new_shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               move.out_info, move.output_shardings)
     prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],

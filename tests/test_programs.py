@@ -129,6 +129,32 @@ def test_the_key_follows_identity_name_key_and_arguments(tmp_path):
   other_devices = Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ('data', 'stage'))
   flipped = _spec((state, jax.device_put(batch, NamedSharding(other_devices, P('data')))))
   assert store.path('step', ('k',), flipped) != base
+  assert store.path('step', ('k',), args, {'xla_cpu_experimental_ynn_fusion_type': ''}) != base
+
+
+@pytest.mark.parametrize('directory', [True, False])
+def test_a_one_off_program_is_compiled_without_library_fusions(tmp_path, directory):
+  """``library_fusions=False`` (stored or not, loaded or traced) compiles
+  the dots without XLA:CPU's YNNPACK fusions and computes the same values;
+  the default keeps them."""
+  store = ProgramStore(str(tmp_path) if directory else None, {'run': 1}, log=pytest.fail)
+  replicated = NamedSharding(_mesh(), P())
+  x = jax.device_put(jnp.linspace(-1.0, 1.0, 32 * 64).reshape(32, 64), replicated)
+  w = jax.device_put(jnp.linspace(0.5, -0.5, 64 * 64).reshape(64, 64), replicated)
+  build = lambda: jax.jit(lambda x, w: jnp.tanh(x @ w) * 2.0,  # noqa: E731
+                          out_shardings=replicated)
+  with_fusions = store.compile('f', (), _spec((x, w)), build)
+  without = store.compile('f', (), _spec((x, w)), build, library_fusions=False)
+  assert 'ynn_fusion' in with_fusions.as_text()
+  assert 'ynn_fusion' not in without.as_text()
+  np.testing.assert_allclose(without(x, w), with_fusions(x, w), rtol=1e-5, atol=1e-5)
+  if directory:  # both stored, under different keys, and loaded as they were compiled
+    assert store.stats()['programs_traced'] == 2
+    again = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+    loaded = again.compile('f', (), _spec((x, w)), pytest.fail, library_fusions=False)
+    assert again.stats()['programs_loaded'] == 1
+    assert 'ynn_fusion' not in loaded.as_text()
+    np.testing.assert_array_equal(loaded(x, w), without(x, w))
 
 
 def test_off_without_a_directory(tmp_path):
