@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -910,11 +911,17 @@ class Trainer:
       if stop:
         raise TrainingInterrupted(epoch, int(self.state['step']), path)
 
+    # What exists now (JAX, the model, the data) lives through the run: out of
+    # the garbage collector's sight, its full collections scan only what the
+    # run creates (measured: 0.26 -> 0.05 s of collections in the baseline's
+    # run, 0.31 -> 0.13 s in the default run's).
+    gc.freeze()
     try:
       self._compile_eval_ahead()
       self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
     finally:
+      gc.unfreeze()
       self._pool.shutdown(wait=False, cancel_futures=True)
       if self.prefix.cache is not None:
         self.prefix.cache.close()

@@ -2,6 +2,7 @@
 per-layer gradient norms, and the elastic run end to end."""
 import contextlib
 import dataclasses
+import gc
 import os
 import re
 import threading
@@ -330,13 +331,16 @@ def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy
                     Loader(ArraySource(data), 16, seed=0),
                     Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
                     log=lambda _: None)
-  bars = []
+  bars, frozen_objects = [], []
 
   def progress(epoch, steps):
     bars.append(steps)
+    frozen_objects.append(gc.get_freeze_count())
     return contextlib.nullcontext(_Bar())
 
   rows = trainer.run(3, progress)['rows']
+  # What existed before the run was out of the collector's sight during it, and back after.
+  assert all(n > 1000 for n in frozen_objects) and gc.get_freeze_count() == 0
   assert [(r['frozen_layers'], r['pipeline_length'], r['replicas']) for r in rows] == [
       (0, 4, 2), (2, 4, 2), (3, 2, 4)]
   assert [r['step'] for r in rows] == [4, 8, 10]  # 64 samples in batches of 16, then 32
