@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.layered import LayeredModel
 from pipejax import autocache_policy, distributed, pipeline
 from pipejax.autocache import ActivationCache
-from pipejax.programs import ProgramStore
+from pipejax.programs import ProgramStore, compiler_options
 
 Params = Any
 CACHE_POLICIES = ('profile', 'always')
@@ -160,8 +160,11 @@ class FrozenPrefix:
         return jax.lax.stop_gradient(self.model.hidden_states(frozen, inputs, upto_layer=depth))
 
       params, inputs, outputs = self._layout(plan, local)
+      # Compiled as compile_ahead's stored program is (a resumed run's plan
+      # compiles here), so that both give the same bits.
       self._prefixes[key] = jax.jit(prefix, in_shardings=(params, inputs),
-                                    out_shardings=outputs)
+                                    out_shardings=outputs,
+                                    compiler_options=compiler_options(False))
     return self._prefixes[key]
 
   def advance_fn(self, plan: pipeline.Plan, from_depth: int, local: bool = False):
@@ -180,7 +183,8 @@ class FrozenPrefix:
 
       params, spread, _ = self._layout(plan, local)
       self._advances[key] = jax.jit(advance, in_shardings=(params, spread, spread),
-                                    out_shardings=spread)
+                                    out_shardings=spread,
+                                    compiler_options=compiler_options(False))
     return self._advances[key]
 
   def abstract_inputs(self, plan: pipeline.Plan, sample_batch: dict, batch_size: int):
@@ -199,9 +203,11 @@ class FrozenPrefix:
     this process's devices, which serve its cache); returns ``(kind, key) ->
     executable`` for :meth:`adopt` and the feed's shapes under ``'feed'``."""
     inputs, rest = self.abstract_inputs(plan, sample_batch, batch_size)
-    # Without XLA:CPU's library fusions (see pipejax.programs): a prefix runs
-    # for a fill epoch's batches and the stragglers, an advance once a
-    # transition; their first call's set-up outweighs what the library saves.
+    # Without XLA:CPU's library fusions (see pipejax.programs): with the cache
+    # a prefix runs for a fill epoch's batches and the stragglers, an advance
+    # once a transition, and their first call's set-up outweighs what the
+    # library saves. Without the cache the prefix runs every step, where it
+    # costs up to ~1 ms a step more on the default model (measured); kept so.
     store = functools.partial(self.programs.compile, library_fusions=False)
     key = self.key(plan) + (False,)
     prefix = store('prefix', key, (frozen_shapes, inputs), lambda: self.prefix_fn(plan))

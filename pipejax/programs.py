@@ -33,9 +33,11 @@ execution of its program: 50-250 ms per program for the default model
 (measured: the evaluation's first call 190-275 ms with them, 22-32 ms
 without; a frozen prefix's 54-190 ms against 15-28 ms), while a later call
 gains at most a millisecond from them. A program compiled with
-``library_fusions=False`` (the trainer's one-off programs: the moves, the
-portable state, the evaluation, the frozen prefix and the cache's advance)
-is compiled without them; the train step keeps XLA's default.
+``library_fusions=False`` is compiled without them: the trainer's moves,
+portable-state programs, evaluation and cache advances, which run a few
+times, and the frozen prefix (a few times with the cache; every step
+without it, where it costs up to ~1 ms a step more). The train step keeps
+XLA's default.
 """
 from __future__ import annotations
 
