@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.layered import LayeredModel
 from pipejax import autocache_policy, distributed, pipeline
 from pipejax.autocache import ActivationCache
-from pipejax.programs import ProgramStore, compiler_options
+from pipejax.programs import ProgramStore
 
 Params = Any
 CACHE_POLICIES = ('profile', 'always')
@@ -160,11 +160,8 @@ class FrozenPrefix:
         return jax.lax.stop_gradient(self.model.hidden_states(frozen, inputs, upto_layer=depth))
 
       params, inputs, outputs = self._layout(plan, local)
-      # Compiled as compile_ahead's stored program is (a resumed run's plan
-      # compiles here), so that both give the same bits.
       self._prefixes[key] = jax.jit(prefix, in_shardings=(params, inputs),
-                                    out_shardings=outputs,
-                                    compiler_options=compiler_options(False))
+                                    out_shardings=outputs)
     return self._prefixes[key]
 
   def advance_fn(self, plan: pipeline.Plan, from_depth: int, local: bool = False):
@@ -183,8 +180,7 @@ class FrozenPrefix:
 
       params, spread, _ = self._layout(plan, local)
       self._advances[key] = jax.jit(advance, in_shardings=(params, spread, spread),
-                                    out_shardings=spread,
-                                    compiler_options=compiler_options(False))
+                                    out_shardings=spread)
     return self._advances[key]
 
   def abstract_inputs(self, plan: pipeline.Plan, sample_batch: dict, batch_size: int):

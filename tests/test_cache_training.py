@@ -1,6 +1,5 @@
 """AutoCache inside the trainer: the same losses as running the frozen
 prefix, and no sample through a frozen layer twice."""
-import jax
 import numpy as np
 import pytest
 
@@ -51,24 +50,6 @@ def test_cached_training_equals_uncached(uncached):
   assert stats['misses'] == samples and stats['advanced'] == samples
   assert stats['hits'] == 2 * samples
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 3)
-
-
-def test_a_prefix_compiled_on_demand_is_the_one_compiled_ahead(uncached):
-  """A plan whose prefix was not compiled ahead (a resumed run's) compiles it
-  as the transition's stored program is compiled: without XLA:CPU's library
-  fusions, giving the same bits."""
-  trainer = uncached[0]
-  plan, prefix = trainer.plan, trainer.prefix
-  assert plan.partition.num_frozen_layers == 3
-  sample = next(iter(trainer.train_loader.epoch(0)))[1]
-  specs, _ = prefix.abstract_inputs(plan, sample, trainer.batch_size(plan))
-  inputs = {k: jax.device_put(np.asarray(sample[k]), v.sharding) for k, v in specs.items()}
-  frozen = trainer.state['frozen']
-  ahead = prefix._compiled[('prefix', prefix.key(plan) + (False,))]  # noqa: SLF001
-  on_demand = prefix.prefix_fn(plan)
-  assert 'ynn_fusion' not in on_demand.lower(frozen, inputs).compile().as_text()
-  np.testing.assert_array_equal(np.asarray(on_demand(frozen, inputs)),
-                                np.asarray(ahead(frozen, inputs)))
 
 
 def test_bfloat16_entries_bound(uncached):
