@@ -208,6 +208,14 @@ class ActivationCache:
     """How many sample IDs this cache may hold (its ``own_ids``, or all)."""
     return self.num_samples if self._owned is None else int(self._owned.sum())
 
+  def holds_every_sample(self) -> bool:
+    """Whether every ID this cache may hold has an entry (at any depth).
+    Safe from another thread: it does not settle, so entries still being
+    written (:meth:`defer`) are not counted yet."""
+    with self._lock:
+      held = self._tier != NONE
+      return bool(held.all() if self._owned is None else held[self._owned].all())
+
   def contains(self, sample_ids: np.ndarray) -> np.ndarray:
     """``[n]`` bool: which IDs have an entry at the current depth."""
     self._settle()

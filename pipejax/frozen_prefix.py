@@ -206,9 +206,17 @@ class FrozenPrefix:
     # costs up to ~1 ms a step more on the default model (measured); kept so.
     store = functools.partial(self.programs.compile, library_fusions=False)
     key = self.key(plan) + (False,)
-    prefix = store('prefix', key, (frozen_shapes, inputs), lambda: self.prefix_fn(plan))
-    out = {('prefix', key): prefix}
-    hidden = prefix.out_info
+    out = {}
+    if self._serves_every_sample():
+      # Cached entries will feed every step (advanced at the transition), so
+      # the prefix would never run: it is not loaded (in the default run 3 of
+      # its 6 prefixes, ~0.3 s of CPU each); a call that needs it after all
+      # loads it then (:meth:`_prefix`). Its output's shape, from a trace:
+      hidden = jax.eval_shape(self.prefix_fn(plan), frozen_shapes, inputs)
+    else:
+      prefix = store('prefix', key, (frozen_shapes, inputs), lambda: self.prefix_fn(plan))
+      out[('prefix', key)] = prefix
+      hidden = prefix.out_info
     out['feed'] = {'hidden': jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                                   sharding=self.data(plan)), **rest}
     if self.cache is None:
@@ -249,9 +257,28 @@ class FrozenPrefix:
     """Takes executables from :meth:`compile_ahead`."""
     self._compiled.update({k: v for k, v in compiled.items() if k != 'feed'})
 
-  def _prefix(self, plan, local: bool = False):
-    return (self._compiled.get(('prefix', self.key(plan) + (local,))) or
-            self.prefix_fn(plan, local))
+  def _serves_every_sample(self) -> bool:
+    """Whether the cache serves the current depth and holds an entry for
+    every sample it may hold: the next depth's steps are then all fed from
+    entries advanced at the transition (one process; several compile
+    everything ahead)."""
+    return (self.cache is not None and self.use_cache and self.processes == 1
+            and self.cache.holds_every_sample())
+
+  def _prefix(self, plan, frozen: Params, inputs: dict, local: bool = False):
+    """The compiled prefix of ``plan`` for ``(frozen, inputs)``: the one
+    compiled ahead, else compiled now through the program store as
+    :meth:`compile_ahead` would (not loaded ahead because the cache held every
+    sample, or the plan of a resumed run), so that it is the same program."""
+    key = self.key(plan) + (local,)
+    if ('prefix', key) not in self._compiled:
+      def spec(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if local else x.sharding)
+
+      self._compiled[('prefix', key)] = self.programs.compile(
+          'prefix', key, jax.tree.map(spec, (frozen, inputs)),
+          lambda: self.prefix_fn(plan, local), library_fusions=False)
+    return self._compiled[('prefix', key)]
 
   def _advance(self, plan, from_depth, local: bool = False):
     return (self._compiled.get(('advance', (from_depth,) + self.key(plan) + (local,))) or
@@ -264,7 +291,7 @@ class FrozenPrefix:
     ``[batch, seq, hidden]`` and the keys blocks and the head read, on the
     devices, split over ``'data'``."""
     data = self.data(plan)
-    rest = distributed.put_batch({k: batch[k] for k in self.feed_keys() if k in batch}, data)
+    rest = {k: batch[k] for k in self.feed_keys() if k in batch}
 
     def compute(rows=None):
       hidden = self._forward(plan, frozen, batch)
@@ -274,7 +301,7 @@ class FrozenPrefix:
       return self._forward_here(plan, frozen, batch)[rows]
 
     if not self.use_cache:
-      return {'hidden': compute(), **rest}
+      return {'hidden': compute(), **distributed.put_batch(rest, data)}
     if self.processes == 1 and self.cache.is_new(sample_ids):
       # A batch seen for the first time feeds the step straight from the
       # devices; its host copy is stored when the cache is next used, so the
@@ -282,24 +309,26 @@ class FrozenPrefix:
       hidden = compute()
       hidden.copy_to_host_async()
       self.cache.defer(sample_ids, lambda: np.asarray(hidden))
-      return {'hidden': hidden, **rest}
+      return {'hidden': hidden, **distributed.put_batch(rest, data)}
     hidden = self.cache.fetch(sample_ids, compute if self.processes == 1 else compute_here,
                               lambda ids, h, d0, d1: self._advance_host(plan, frozen, ids, h, d0))
-    return {'hidden': distributed.put_batch(hidden, data), **rest}
+    # One transfer for the entries and the rest (two cost ~1 ms a step more).
+    return distributed.put_batch({'hidden': hidden, **rest}, data)
 
   def _forward(self, plan, frozen, batch: dict) -> jax.Array:
     """The prefix's output ``[batch, seq, hidden]`` of a global ``batch`` on
     the devices, split over ``'data'`` (not waited for)."""
     inputs = distributed.put_batch({k: batch[k] for k in self.model.input_keys},
                                    self.spread(plan))
-    return self._prefix(plan)(frozen, inputs)
+    return self._prefix(plan, frozen, inputs)(frozen, inputs)
 
   def _forward_here(self, plan, frozen, batch: dict) -> np.ndarray:
     """The prefix's output ``[local batch, seq, hidden]`` of this process's
     ``batch``, computed on its own devices (several processes)."""
     inputs = jax.device_put({k: batch[k] for k in self.model.input_keys},
                             self._layout(plan, local=True)[1])
-    return np.asarray(self._prefix(plan, local=True)(self._params_here(plan, frozen), inputs))
+    frozen = self._params_here(plan, frozen)
+    return np.asarray(self._prefix(plan, frozen, inputs, local=True)(frozen, inputs))
 
   def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray,
                     from_depth: int) -> np.ndarray:
@@ -371,7 +400,7 @@ class FrozenPrefix:
     def forward():
       if inputs is None:  # this process's share, on its devices (as a miss runs)
         return self._forward_here(plan, frozen, sample_batch)
-      return np.asarray(self._prefix(plan)(frozen, inputs))
+      return np.asarray(self._prefix(plan, frozen, inputs)(frozen, inputs))
 
     forward()  # the first call also loads the program
     start = time.perf_counter()

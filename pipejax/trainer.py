@@ -624,7 +624,8 @@ class Trainer:
       steps += 1
       progress.update(1)
       if steps % 10 == 0:  # the loss leaves the device only here and at the epoch's end
-        loss_sum = float(self.state['sums'][0])
+        # (a copy, not an index: indexing would run one more program on every device)
+        loss_sum = float(np.asarray(self.state['sums'])[0])
         self._check_finite(loss_sum, epoch, first_step + steps)
         progress.set_postfix(loss=f'{loss_sum / steps:.4f}')
       step = first_step + steps

@@ -200,6 +200,25 @@ def test_a_deferred_batch_is_stored_before_a_depth_change():
   assert stats['repeated_layer_passes'] == 0
 
 
+def test_holds_every_sample_counts_owned_entries_at_any_depth_not_pending_ones():
+  n = 12
+  fake = FakePrefix(n)
+  cache = make_cache(num_samples=n, depth=2)
+  assert not cache.holds_every_sample()
+  cache.fetch(np.arange(8), fake.compute_fn(np.arange(8), 2))
+  rest = np.arange(8, n)
+  cache.defer(rest, lambda: fake.compute_fn(rest, 2)(np.arange(len(rest))))
+  assert not cache.holds_every_sample()  # written only when the cache is next used
+  cache.advance(3, fake.advance_fn)
+  assert cache.holds_every_sample()  # advanced entries count
+  cache.clear()
+  assert not cache.holds_every_sample()
+  mine = np.array([0, 1, 2, 3])
+  owned = make_cache(num_samples=n, depth=2, own_ids=mine)
+  owned.fetch(mine, fake.compute_fn(mine, 2))
+  assert owned.holds_every_sample()  # another host's samples are not this cache's
+
+
 def test_without_advance_fn_stale_entries_are_recomputed_and_counted():
   fake = FakePrefix(8)
   cache = make_cache(num_samples=8)

@@ -207,3 +207,55 @@ def test_entries_are_advanced_in_as_few_calls_as_the_byte_budget_allows(monkeypa
   assert trainer.prefix.advance_size(16) == 32
   monkeypatch.setattr(frozen_prefix, 'ADVANCE_BYTES', 1)
   assert trainer.prefix.advance_size(16) == 16
+
+
+def _cached_run(tmp_path, skip: bool, monkeypatch):
+  """Per-epoch losses, final parameters and the trainer of a 6-block run
+  (F = 0, 3, 4, 5, the cache always on, plans compiled ahead from a program
+  store); ``skip=False`` compiles every prefix ahead as before."""
+  from pipejax.programs import ProgramStore  # noqa: PLC0415
+  from tests.test_trainer import _bits  # noqa: PLC0415
+  if not skip:
+    monkeypatch.setattr(FrozenPrefix, '_serves_every_sample', lambda self: False)
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=4)
+  with config.unlocked():
+    config.cache.update(policy='always')
+    config.freeze.compile_ahead = True
+  trainer, _ = _trainer(config, num_layers=6)
+  trainer.programs = ProgramStore(str(tmp_path), {'test': 'lazy prefix'}, log=pytest.fail)
+  trainer.prefix.programs = trainer.programs
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  losses = []
+  for epoch in range(4):
+    trainer.prepare_next(sample)
+    losses.append(trainer.train_epoch(epoch, _Bar())['train_loss'])
+    if epoch < 3:
+      trainer.maybe_transition(epoch, sample)
+  monkeypatch.undo()
+  return losses, _bits(trainer.portable_state()), trainer
+
+
+def test_a_prefix_the_filled_cache_serves_is_not_loaded_ahead_but_on_a_call(tmp_path,
+                                                                            monkeypatch):
+  """Once the cache holds every sample, the next depth's steps are all fed
+  from advanced entries: its prefix is not compiled ahead, training is bit
+  for bit the same, and a call that needs it after all gets it from the
+  program store (the same program as one compiled ahead)."""
+  want_losses, want_bits, eager = _cached_run(tmp_path, False, monkeypatch)
+  losses, bits, trainer = _cached_run(tmp_path, True, monkeypatch)  # loads eager's programs
+  assert [t.frozen_layers for t in trainer.transitions] == [3, 4, 5]
+  assert losses == want_losses and len(bits) == len(want_bits)
+  for got, want in zip(bits, want_bits):
+    np.testing.assert_array_equal(got, want)
+  ahead = {key[1][0] for key in eager.prefix._compiled if key[0] == 'prefix'}
+  lazy = {key[1][0] for key in trainer.prefix._compiled if key[0] == 'prefix'}
+  # F = 3's was compiled while the cache was empty, F = 4's before the fill
+  # epoch's entries were in; at F = 5 every sample was cached.
+  assert ahead == {3, 4, 5} and lazy == {3, 4}
+  assert trainer.prefix.cache.stats()['misses'] == 64  # F = 5 needed no prefix
+  plan, frozen = trainer.plan, trainer.state['frozen']
+  batch = next(iter(trainer.train_loader.epoch(0)))[1]
+  loaded = trainer.programs.stats()['programs_loaded']
+  got = np.asarray(trainer.prefix._forward(plan, frozen, batch))
+  assert trainer.programs.stats()['programs_loaded'] == loaded + 1  # eager's entry, same key
+  np.testing.assert_array_equal(got, np.asarray(eager.prefix._forward(plan, frozen, batch)))
