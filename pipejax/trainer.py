@@ -352,15 +352,25 @@ class Trainer:
       self._portable[key] = jax.jit(portable, out_shardings=NamedSharding(mesh, P()))
     return self._portable[key]
 
-  def _portable_compiled_for(self, plan: pipeline.Plan, state_shapes: dict):
+  def _portable_compiled_for(self, plan: pipeline.Plan, state_shapes: dict,
+                             background: bool = False):
     """:meth:`_portable_fn` of ``plan`` compiled for ``state_shapes`` (from
-    the program store when it has it)."""
+    the program store when it has it). ``background``: only start compiling
+    it in the compile-ahead thread (returns None); a later call waits for it."""
     key = (plan.partition, plan.num_devices)
-    if key not in self._portable_compiled:
-      self._portable_compiled[key] = self.programs.compile(
-          'portable', key, (state_shapes,), lambda: self._portable_fn(plan),
-          library_fusions=False)
-    return self._portable_compiled[key]
+    held = self._portable_compiled.get(key)
+    if held is None or held.cancelled():  # (cancelled: the run ended before it started)
+      def compile_it():
+        return self.programs.compile('portable', key, (state_shapes,),
+                                     lambda: self._portable_fn(plan), library_fusions=False)
+
+      if background:
+        self._portable_compiled[key] = self._pool.submit(compile_it)
+        return None
+      done = concurrent.futures.Future()
+      done.set_result(compile_it())
+      self._portable_compiled[key] = done
+    return None if background else self._portable_compiled[key].result()
 
   def canonical_params(self) -> Params:
     """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
@@ -735,12 +745,16 @@ class Trainer:
     return self._eval[key]
 
   def _compile_eval_ahead(self) -> None:
-    """Starts compiling the evaluation forward while the first epoch trains.
+    """Starts compiling the evaluation forward (and the current plan's
+    portable-state program, which evaluation reads) while the first epoch
+    trains.
 
     The batch's shapes come from one sample and the eval batch size (reading
     a whole eval batch here would decode it on the main thread and count its
     IDs as served); an empty eval set has nothing to compile.
     """
+    # The first epoch's end reads the portable state (evaluation, checkpoints).
+    self._portable_compiled_for(self.plan, self._state_spec(), background=True)
     if self.evaluator is not None:
       return
     loader = self._eval_loader()

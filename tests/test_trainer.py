@@ -216,8 +216,8 @@ def test_without_autodp_one_pipeline_on_k_devices_same_losses():
 
 def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(tmp_path,
                                                                                monkeypatch):
-  """run() compiles the evaluation forward in the background thread while the
-  first epoch trains; a later trainer of the same run loads it from the
+  """run() compiles the evaluation forward (and the portable-state program
+  it reads) in the background thread while the first epoch trains; a later trainer of the same run loads it from the
   program store without tracing the model; the accuracy is the model's own
   count over the whole eval set (40 samples: one batch of 4 x 16, padded), and
   the same in batches of 8 (train.eval_batch_size)."""
@@ -225,12 +225,12 @@ def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(
   config = _config(epochs=1)
   created = fixtures.tiny('vit', num_layers=4)
   data = fixtures.batch('vit', created.model, 40, seed=4)
-  compiled_on, traced = [], []
+  compiled_on, portable_on, traced = [], [], []
   real_compile, real_loss_fn = programs_lib.ProgramStore.compile, created.model.loss_fn
 
   def compile_(self, name, *args, **kwargs):
-    if name == 'eval':
-      compiled_on.append(threading.current_thread() is threading.main_thread())
+    on_main = threading.current_thread() is threading.main_thread()
+    {'eval': compiled_on, 'portable': portable_on}.get(name, []).append(on_main)
     return real_compile(self, name, *args, **kwargs)
 
   def loss_fn(*args, **kwargs):
@@ -250,6 +250,7 @@ def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(
   first = make(str(tmp_path / 'a'))
   rows = first.run(1, lambda epoch, steps: contextlib.nullcontext(_Bar()))['rows']
   assert compiled_on == [False]  # ahead, in the background thread; evaluate() reused it
+  assert portable_on == [False]  # the portable state evaluation read: the same
   second = make(str(tmp_path / 'b'))
   traced.clear()  # (building the trainer traced its initial state)
   accuracy = second.evaluate(first.canonical_params())['eval_accuracy']
