@@ -4,7 +4,8 @@ cleanly on SIGTERM / SIGINT.
 *Identity.* A checkpoint records the config keys that give its state a
 meaning — the seed, the data, the model (and the HF model config), every
 ``train`` key but ``train.epochs`` and ``train.eval_batch_size``, every ``freeze`` key but
-``freeze.compile_ahead`` — and a run refuses a checkpoint whose identity
+``freeze.compile_ahead`` and ``freeze.keep_slot_width`` (they choose which programs run the
+same computation) — and a run refuses a checkpoint whose identity
 differs, naming the keys. Left out on purpose: ``train.epochs`` (a run may be
 extended; the learning-rate schedule then follows the new total from the
 resumed step on), ``train.eval_batch_size`` (evaluation only reads the
@@ -28,7 +29,8 @@ from typing import Any, Callable
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (the same command resumes)
 EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
 
-_EXCLUDED = {'train': ('epochs', 'eval_batch_size'), 'freeze': ('compile_ahead',)}
+_EXCLUDED = {'train': ('epochs', 'eval_batch_size'),
+             'freeze': ('compile_ahead', 'keep_slot_width')}
 _SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from experiments import vit_imagenet
 from pipejax import autodp
+from pipejax import pipeline
 from pipejax import trainer as trainer_lib
 from pipejax import partition as part
 from pipejax.data import ArraySource, Loader
@@ -140,6 +141,30 @@ def test_relayout_and_portable_state_gather_the_stages_in_one_collective():
   assert _collectives(move.lower(shapes).compile()) == ['all-gather']
   portable = trainer._portable_compiled_for(trainer.plan, trainer._state_spec())
   assert _collectives(portable) == ['all-gather']
+
+
+def test_a_freeze_event_that_keeps_k_narrows_the_slots_unless_asked_to_keep_them():
+  """Without compression K stays 8; the stages of the deeper partition are
+  narrower, and its own step program runs them (``freeze.keep_slot_width``
+  pads them to the old width to reuse the compiled step)."""
+  def after(keep):
+    config = _config(alpha=0.75, initial_length=8, micro_batches=8)
+    with config.unlocked():
+      config.freeze.compress = False
+      config.freeze.keep_slot_width = keep
+    trainer, _ = _trainer(config, num_layers=12)
+    trainer.plan = trainer._plan(trainer._partition_after(1), 8)
+    old, new = trainer.plan.partition, trainer._partition_after(8)
+    same_program = (pipeline.program_key(trainer._plan(new, 8))
+                    == pipeline.program_key(trainer.plan))
+    return old, new, same_program
+
+  old, narrow, reused = after(False)
+  _, padded, padded_reused = after(True)
+  assert narrow.pipeline_length == padded.pipeline_length == 8 and not old.has_embed
+  assert narrow.stage_sizes == padded.stage_sizes
+  assert narrow.tables.num_slots < padded.tables.num_slots == old.tables.num_slots
+  assert not reused and padded_reused
 
 
 def test_layer_grad_norms_match_canonical_reference():
