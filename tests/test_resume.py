@@ -283,6 +283,8 @@ def test_identity_names_the_keys_that_differ():
     config.train.epochs = 99  # extending a run is allowed
     config.pipeline.devices = 4  # so is another device count
     config.cache.enabled = False
+    config.freeze.compile_ahead = False  # which programs run, not what they compute
+    config.freeze.keep_slot_width = True
   resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
   with config.unlocked():
     config.train.learning_rate = 0.5
