@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autocache_policy, distributed, pipeline
+from pipejax import autocache_policy, distributed, pipeline, resume
 from pipejax.autocache import ActivationCache
 from pipejax.programs import ProgramStore
 
@@ -262,7 +262,11 @@ class FrozenPrefix:
     every sample it may hold: the next depth's steps are then all fed from
     entries advanced at the transition (one process; several compile
     everything ahead)."""
+    # The last decision must be one that the next depth keeps without timing
+    # (which would run the prefix): filled entries chose the cache.
+    last = self.decisions[-1] if self.decisions else None
     return (self.cache is not None and self.use_cache and self.processes == 1
+            and last is not None and last.use_cache and last.filled
             and self.cache.holds_every_sample())
 
   def _prefix(self, plan, frozen: Params, inputs: dict, local: bool = False):
@@ -538,6 +542,9 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
   # Everything that decides the frozen layers' output: the whole config
   # (training decides the frozen weights), the model and the data.
   settings = {k: v for k, v in config.to_dict().items() if k != 'resume'}
+  # Not the knobs that choose which programs compute the same values.
+  settings['freeze'] = {k: v for k, v in settings.get('freeze', {}).items()
+                        if k not in resume.PROGRAM_CHOICES}
   directory = c.directory or os.path.join(workdir, 'cache')
   if jax.process_count() > 1:
     # The coordinator's address and this process's rank may change from one

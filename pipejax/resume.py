@@ -29,8 +29,9 @@ from typing import Any, Callable
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (the same command resumes)
 EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
 
-_EXCLUDED = {'train': ('epochs', 'eval_batch_size'),
-             'freeze': ('compile_ahead', 'keep_slot_width')}
+#: ``freeze`` keys that choose which programs run the same computation.
+PROGRAM_CHOICES = ('compile_ahead', 'keep_slot_width')
+_EXCLUDED = {'train': ('epochs', 'eval_batch_size'), 'freeze': PROGRAM_CHOICES}
 _SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
 
 

@@ -359,7 +359,10 @@ class Trainer:
     it in the compile-ahead thread (returns None); a later call waits for it."""
     key = (plan.partition, plan.num_devices)
     held = self._portable_compiled.get(key)
-    if held is None or held.cancelled():  # (cancelled: the run ended before it started)
+    if held is not None and not background and not held.done() and held.cancel():
+      held = None  # still queued (e.g. behind the next plan's compile): compiled here, now
+    if held is None or held.cancelled() or (held.done() and held.exception() is not None):
+      # (cancelled: the run ended before it started; an error: compiled afresh)
       def compile_it():
         return self.programs.compile('portable', key, (state_shapes,),
                                      lambda: self._portable_fn(plan), library_fusions=False)
@@ -724,7 +727,8 @@ class Trainer:
     ``background``: compile it in the compile-ahead thread."""
     key = (jax.tree.structure((param_shapes, batch_shapes)),
            tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves((param_shapes, batch_shapes))))
-    if key not in self._eval:
+    held = self._eval.get(key)
+    if held is None or held.cancelled() or (held.done() and held.exception() is not None):
       flat = self._flat_mesh
 
       def build():
@@ -919,6 +923,9 @@ class Trainer:
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
       self._pool = _background_pool()
     by_steps = bool(self.config.freeze.timestep_steps)
+    # First in the background queue: what the first epoch's end (or a save
+    # inside it) reads, then the next plan.
+    self._compile_eval_ahead()
     if by_steps:
       self.prepare_next(sample_batch)
 
@@ -940,7 +947,6 @@ class Trainer:
     if own_freeze:
       gc.freeze()
     try:
-      self._compile_eval_ahead()
       self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
     finally:

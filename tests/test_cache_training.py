@@ -259,3 +259,23 @@ def test_a_prefix_the_filled_cache_serves_is_not_loaded_ahead_but_on_a_call(tmp_
   got = np.asarray(trainer.prefix._forward(plan, frozen, batch))
   assert trainer.programs.stats()['programs_loaded'] == loaded + 1  # eager's entry, same key
   np.testing.assert_array_equal(got, np.asarray(eager.prefix._forward(plan, frozen, batch)))
+
+
+def test_the_cache_identity_ignores_the_knobs_that_choose_programs(monkeypatch):
+  """A disk cache is refused for another config; not for one that only
+  compiles ahead or pads stages differently (the same values)."""
+  from pipejax import frozen_prefix  # noqa: PLC0415
+  monkeypatch.setattr(frozen_prefix, 'ActivationCache', lambda **kw: kw['identity'])
+  config = _config()
+  trainer, _ = _trainer(config)
+
+  def identity(**freeze):
+    c = _config()
+    with c.unlocked():
+      c.freeze.update(freeze)
+    return make_cache(c, trainer.model, trainer.train_loader.source,
+                      trainer.canonical_params(), '/nonexistent', lambda _: None)
+
+  base = identity()
+  assert identity(compile_ahead=True, keep_slot_width=True) == base
+  assert identity(alpha=0.25) != base
