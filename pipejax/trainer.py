@@ -358,22 +358,32 @@ class Trainer:
     the program store when it has it). ``background``: only start compiling
     it in the compile-ahead thread (returns None); a later call waits for it."""
     key = (plan.partition, plan.num_devices)
-    held = self._portable_compiled.get(key)
-    if held is not None and not background and not held.done() and held.cancel():
-      held = None  # still queued (e.g. behind the next plan's compile): compiled here, now
-    if held is None or held.cancelled() or (held.done() and held.exception() is not None):
-      # (cancelled: the run ended before it started; an error: compiled afresh)
-      def compile_it():
-        return self.programs.compile('portable', key, (state_shapes,),
-                                     lambda: self._portable_fn(plan), library_fusions=False)
 
+    def compile_it():
+      return self.programs.compile('portable', key, (state_shapes,),
+                                   lambda: self._portable_fn(plan), library_fusions=False)
+
+    future = self._compiled_once(self._portable_compiled, key, compile_it, background)
+    return None if background else future.result()
+
+  def _compiled_once(self, held: dict, key, compile_it: Callable[[], Any],
+                     background: bool) -> concurrent.futures.Future:
+    """The future of ``compile_it()`` kept in ``held[key]``: submitted to the
+    compile-ahead thread (``background``) or run now. A kept one is reused
+    unless it was cancelled (the run ended before it started) or failed (then
+    compiled afresh); a caller that needs it now runs one still queued (e.g.
+    behind the next plan's compile) itself."""
+    future = held.get(key)
+    if future is not None and not background and not future.done() and future.cancel():
+      future = None
+    if future is None or future.cancelled() or (future.done() and future.exception() is not None):
       if background:
-        self._portable_compiled[key] = self._pool.submit(compile_it)
-        return None
-      done = concurrent.futures.Future()
-      done.set_result(compile_it())
-      self._portable_compiled[key] = done
-    return None if background else self._portable_compiled[key].result()
+        future = self._pool.submit(compile_it)
+      else:
+        future = concurrent.futures.Future()
+        future.set_result(compile_it())  # kept only once compiled: an error is raised again
+      held[key] = future
+    return future
 
   def canonical_params(self) -> Params:
     """The current parameters in the canonical tree (``model.to_hf`` gives HF's)."""
@@ -727,26 +737,18 @@ class Trainer:
     ``background``: compile it in the compile-ahead thread."""
     key = (jax.tree.structure((param_shapes, batch_shapes)),
            tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves((param_shapes, batch_shapes))))
-    held = self._eval.get(key)
-    if held is None or held.cancelled() or (held.done() and held.exception() is not None):
-      flat = self._flat_mesh
+    flat = self._flat_mesh
 
-      def build():
-        return jax.jit(lambda p, b: self.model.loss(p, b)[1],
-                       in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))),
-                       out_shardings=NamedSharding(flat, P()))
+    def build():
+      return jax.jit(lambda p, b: self.model.loss(p, b)[1],
+                     in_shardings=(NamedSharding(flat, P()), NamedSharding(flat, P('batch'))),
+                     out_shardings=NamedSharding(flat, P()))
 
-      def compile_it():
-        return self.programs.compile('eval', key[1], (param_shapes, batch_shapes), build,
-                                     library_fusions=False)
+    def compile_it():
+      return self.programs.compile('eval', key[1], (param_shapes, batch_shapes), build,
+                                   library_fusions=False)
 
-      if background:
-        self._eval[key] = self._pool.submit(compile_it)
-      else:
-        done = concurrent.futures.Future()
-        done.set_result(compile_it())  # stored only once compiled: an error is raised again next time
-        self._eval[key] = done
-    return self._eval[key]
+    return self._compiled_once(self._eval, key, compile_it, background)
 
   def _compile_eval_ahead(self) -> None:
     """Starts compiling the evaluation forward (and the current plan's
