@@ -925,11 +925,6 @@ class Trainer:
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
       self._pool = _background_pool()
     by_steps = bool(self.config.freeze.timestep_steps)
-    # First in the background queue: what the first epoch's end (or a save
-    # inside it) reads, then the next plan.
-    self._compile_eval_ahead()
-    if by_steps:
-      self.prepare_next(sample_batch)
 
     def after_step(epoch: int, steps: int) -> None:
       stop = stop_requested is not None and stop_requested()
@@ -949,6 +944,11 @@ class Trainer:
     if own_freeze:
       gc.freeze()
     try:
+      # First in the background queue: what the first epoch's end (or a save
+      # inside it) reads, then the next plan.
+      self._compile_eval_ahead()
+      if by_steps:
+        self.prepare_next(sample_batch)
       self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
     finally:
