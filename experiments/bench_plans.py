@@ -15,6 +15,11 @@ recomputed forward + backward = 4 units). Prints a table, writes
 ``DIR/bench_plans.json``. What this leaves out on purpose — compilation,
 transitions, evaluation, checkpoints — is what separates it from a run's wall
 time.
+
+A plan that keeps the previous plan's K runs at its own, narrower slot width
+(the trainer's default); with ``freeze.keep_slot_width=True`` the trainer
+pads it to the width of the previous plan's step instead. Each such plan is
+timed both ways in the same interleaved rounds (column ``padded ms``).
 """
 from __future__ import annotations
 
@@ -61,16 +66,15 @@ def main(argv=None) -> int:
                     log=lambda _: None)
   batches = [b for _, b in loader.epoch(0)][:6]
   ids = [i for i, _ in loader.epoch(0)][:6]
-  plans, states = {}, {}
-  for f in sorted(set(frozen)):
-    # In order, as the trainer does: compression starts from the current K.
-    partition = trainer._partition_after(f) if f else trainer.plan.partition  # noqa: SLF001
-    plan = trainer._plan(partition, config.pipeline.micro_batches or  # noqa: SLF001
-                         partition.pipeline_length)
-    plans[f] = trainer.plan = plan
+  plans = _plans(trainer, frozen, keep_slot_width=False)
+  # The plans that keeping the width pads (wider slots than their own):
+  padded = {f: p for f, p in _plans(trainer, frozen, keep_slot_width=True).items()
+            if p.partition.tables.num_slots != plans[f].partition.tables.num_slots}
   # Baseline and every plan: state laid out for it, the step compiled and warmed.
-  steps = {}
-  for f, plan in plans.items():
+  variants = [(f, False) for f in plans] + [(f, True) for f in padded]
+  states, steps = {}, {}
+  for f, pad in variants:
+    plan = (padded if pad else plans)[f]
     trainer.plan = plan
     trainer.state = trainer._init_state(created.params, plan)  # noqa: SLF001
     feeds = [trainer._feed(i, b, plan) for i, b in zip(ids, batches)]  # noqa: SLF001
@@ -78,47 +82,80 @@ def main(argv=None) -> int:
     for feed in feeds[:2]:
       trainer._run_step(fn, feed)  # noqa: SLF001
     jax.block_until_ready(trainer.state)
-    states[f], steps[f] = trainer.state, fn
+    states[f, pad], steps[f, pad] = trainer.state, fn
 
-  def time_plan(f, rounds=3):
-    trainer.plan, trainer.state = plans[f], states[f]
+  def time_plan(f, pad, rounds=3):
+    plan = (padded if pad else plans)[f]
+    trainer.plan, trainer.state = plan, states[f, pad]
     best = float('inf')
     for _ in range(rounds):
       jax.block_until_ready(trainer.state)
       start = time.perf_counter()
       for i, b in zip(ids, batches):
-        trainer._run_step(steps[f], trainer._feed(i, b, plans[f]))  # noqa: SLF001
+        trainer._run_step(steps[f, pad], trainer._feed(i, b, plan))  # noqa: SLF001
       jax.block_until_ready(trainer.state)
       best = min(best, (time.perf_counter() - start) / len(batches))
-    states[f] = trainer.state
+    states[f, pad] = trainer.state
     return best
 
-  seconds = {f: [] for f in plans}
+  seconds = {v: [] for v in variants}
   for _ in range(3):  # interleaved with the baseline (F=0)
-    for f in plans:
-      seconds[f].append(time_plan(0) if f == 0 else time_plan(f))
-  step = {f: float(np.median(v)) for f, v in seconds.items()}
+    for v in variants:
+      seconds[v].append(time_plan(0, False) if v == (0, False) else time_plan(*v))
+  step = {f: float(np.median(seconds[f, False])) for f in plans}
+  padded_step = {f: float(np.median(seconds[f, True])) for f in padded}
   blocks = model.num_layers
   rows = []
   for f, plan in plans.items():
     rows.append({'frozen_layers': f, 'pipeline_length': plan.pipeline_length,
                  'replicas': plan.replicas, 'micro_batches': plan.micro_batches,
+                 'slot_width': plan.partition.tables.num_slots,
                  'step_seconds': step[f], 'ratio_to_baseline': step[f] / step[0],
+                 'padded_slot_width': (padded[f].partition.tables.num_slots
+                                       if f in padded else None),
+                 'padded_step_seconds': padded_step.get(f),
                  'flop_ratio': (4 * (blocks - f) + f) / (4 * blocks)})
   predicted = sum(step[f] for f in frozen) / (epochs * step[0])
+  predicted_padded = sum(padded_step.get(f, step[f]) for f in frozen) / (epochs * step[0])
   limit = sum((4 * (blocks - f) + f) for f in frozen) / (epochs * 4 * blocks)
-  print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"step ms":>8} {"ratio":>6} {"FLOP ratio":>10}')
+  print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"slots":>5} {"step ms":>8} {"ratio":>6} '
+        f'{"FLOP ratio":>10} {"padded ms":>14}')
   for r in rows:
+    pad = (f'{r["padded_step_seconds"] * 1e3:.1f} ({r["padded_slot_width"]})'
+           if r['padded_step_seconds'] is not None else '-')
     print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
-          f'{r["micro_batches"]:3d} {r["step_seconds"] * 1e3:8.1f} {r["ratio_to_baseline"]:6.2f} '
-          f'{r["flop_ratio"]:10.2f}')
+          f'{r["micro_batches"]:3d} {r["slot_width"]:5d} {r["step_seconds"] * 1e3:8.1f} '
+          f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14}')
   print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
-        f'(FLOP limit {limit:.3f})')
+        f'({predicted_padded:.3f} with freeze.keep_slot_width; FLOP limit {limit:.3f})')
   with open(os.path.join(workdir, 'bench_plans.json'), 'w') as f:
     json.dump({'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
-               'predicted_train_ratio': predicted, 'flop_limit_ratio': limit}, f, indent=2)
+               'predicted_train_ratio': predicted,
+               'predicted_train_ratio_keep_slot_width': predicted_padded,
+               'flop_limit_ratio': limit}, f, indent=2)
   print(f'wrote {workdir}/bench_plans.json')
   return 0
+
+
+def _plans(trainer: Trainer, frozen: list[int], keep_slot_width: bool) -> dict:
+  """The plan of every frozen count in ``frozen``, in order as the trainer
+  makes them (compression starts from the current K; a kept K keeps the slot
+  width with ``keep_slot_width``); M is the config's or K."""
+  config, start = trainer.config, trainer.plan
+  chosen = config.freeze.keep_slot_width
+  plans = {}
+  with config.unlocked():
+    config.freeze.keep_slot_width = keep_slot_width
+  try:
+    for f in sorted(set(frozen)):
+      partition = trainer._partition_after(f) if f else start.partition  # noqa: SLF001
+      plans[f] = trainer.plan = trainer._plan(  # noqa: SLF001
+          partition, config.pipeline.micro_batches or partition.pipeline_length)
+  finally:
+    trainer.plan = start
+    with config.unlocked():
+      config.freeze.keep_slot_width = chosen
+  return plans
 
 
 if __name__ == '__main__':

@@ -1,5 +1,6 @@
 """Trainer: frozen weights stay bit-identical, transitions keep training state,
 per-layer gradient norms, and the elastic run end to end."""
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -167,6 +168,33 @@ def test_a_freeze_event_that_keeps_k_narrows_the_slots_unless_asked_to_keep_them
   assert not reused and padded_reused
 
 
+def test_bench_plans_makes_the_plans_the_trainer_makes_padded_and_narrow():
+  """``experiments.bench_plans`` times each plan at its own slot width and,
+  beside it, padded as ``freeze.keep_slot_width`` pads it: its plans are the
+  trainer's, chained from the starting plan, and it leaves the trainer's plan
+  and the user's setting as they were."""
+  from experiments import bench_plans  # noqa: PLC0415
+  config = _config(alpha=0.75, initial_length=8, micro_batches=8)
+  with config.unlocked():
+    config.freeze.compress = False
+  trainer, _ = _trainer(config, num_layers=12)
+  start = trainer.plan
+  frozen = [0, 1, 8, 8]
+  narrow = bench_plans._plans(trainer, frozen, keep_slot_width=False)
+  padded = bench_plans._plans(trainer, frozen, keep_slot_width=True)
+  assert trainer.plan == start and config.freeze.keep_slot_width is False
+  assert sorted(narrow) == sorted(padded) == [0, 1, 8]
+  assert narrow[0] == padded[0] == start and narrow[1] == padded[1]  # F = 1 leaves the embed
+  # As a trainer run makes them: each event from the plan before it.
+  for keep, plans in ((False, narrow), (True, padded)):
+    with config.unlocked():
+      config.freeze.keep_slot_width = keep
+    trainer.plan = trainer._plan(trainer._partition_after(1), 8)
+    assert plans[8].partition == trainer._partition_after(8)
+  assert narrow[8].partition.tables.num_slots < padded[8].partition.tables.num_slots
+  assert padded[8].partition.tables.num_slots == narrow[1].partition.tables.num_slots
+
+
 def test_layer_grad_norms_match_canonical_reference():
   created = fixtures.tiny('bert-classification', num_layers=4)
   model, params = created.model, created.params
@@ -237,6 +265,99 @@ def test_without_autodp_one_pipeline_on_k_devices_same_losses():
   k = trainer.plan.pipeline_length  # the state lives on the first K devices only
   used = {d for leaf in jax.tree.leaves(trainer.state) for d in leaf.sharding.device_set}
   assert used == set(trainer.devices[:k])
+
+
+class _Holder:
+  """What ``Trainer._compiled_once`` reads of a trainer: its compile-ahead pool."""
+
+  def __init__(self, pool):
+    self._pool = pool
+
+
+def _counting(results):
+  """A compile function that returns (or raises) the next of ``results``
+  and records the thread each call ran on."""
+  calls = []
+
+  def compile_it():
+    calls.append(threading.current_thread() is threading.main_thread())
+    outcome = results[len(calls) - 1]
+    if isinstance(outcome, Exception):
+      raise outcome
+    return outcome
+  return compile_it, calls
+
+
+def test_a_caller_that_needs_a_compile_still_queued_runs_it_itself():
+  """A background compile queued behind other work (the next plan's) is
+  taken over by a caller that needs it now: cancelled in the queue, run once
+  on the caller's thread, and kept for the next caller."""
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  release = threading.Event()
+  try:
+    busy = pool.submit(release.wait, 60)  # the pool is busy with the next plan
+    held, holder = {}, _Holder(pool)
+    compile_it, calls = _counting(['compiled'])
+    queued = trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it, background=True)
+    assert not queued.done() and calls == []
+    now = trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it, background=False)
+    assert now.result() == 'compiled' and calls == [True]  # on the caller's thread
+    assert queued.cancelled() and held['k'] is now
+    again = trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it, background=True)
+    assert again is now and calls == [True]  # kept: not compiled again
+  finally:
+    release.set()
+    pool.shutdown(wait=True)
+  assert busy.result() is True
+
+
+def test_a_failed_or_cancelled_background_compile_is_compiled_afresh():
+  """A background compile that raised is not re-raised forever: the next
+  call, in the background or now, compiles afresh; a future cancelled by the
+  pool's shutdown is compiled afresh too; a compile that fails on the
+  caller's thread raises and is not kept."""
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  held, holder = {}, _Holder(pool)
+  compile_it, calls = _counting([RuntimeError('out of memory'), 'second', RuntimeError('again'),
+                                 'fourth'])
+  try:
+    failed = trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it, background=True)
+    assert isinstance(failed.exception(timeout=60), RuntimeError)
+    retried = trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it, background=True)
+    assert retried is not failed and retried.result(timeout=60) == 'second'
+    assert calls == [False, False]
+    assert trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it,
+                                              background=False) is retried  # kept once it worked
+    with pytest.raises(RuntimeError, match='again'):
+      trainer_lib.Trainer._compiled_once(holder, held, 'other', compile_it, background=False)
+    assert 'other' not in held
+    assert trainer_lib.Trainer._compiled_once(
+        holder, held, 'other', compile_it, background=False).result() == 'fourth'
+  finally:
+    pool.shutdown(wait=True)
+  cancelled = concurrent.futures.Future()
+  assert cancelled.cancel()
+  held['k'] = cancelled  # e.g. the run ended before the pool started it
+  compile_it, calls = _counting(['fresh'])
+  assert trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it,
+                                            background=False).result() == 'fresh'
+  assert calls == [True]
+
+
+def test_a_failure_before_the_first_epoch_still_shuts_the_background_thread(monkeypatch):
+  """What run() starts before its epochs (the evaluation's compile ahead) is
+  inside its clean-up: an error there still shuts the compile-ahead pool
+  (cancelling its queue) and unfreezes the garbage collector."""
+  trainer, _ = _trainer(_config(epochs=1))
+
+  def fail():
+    trainer._pool.submit(lambda: None)
+    raise OSError('eval set unreadable')
+
+  monkeypatch.setattr(trainer, '_compile_eval_ahead', fail)
+  with pytest.raises(OSError, match='unreadable'):
+    trainer.run(1, lambda epoch, steps: contextlib.nullcontext(_Bar()))
+  assert trainer._pool._shutdown and gc.get_freeze_count() == 0
 
 
 def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(tmp_path,
