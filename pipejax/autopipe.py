@@ -17,7 +17,13 @@ memory estimate in :mod:`pipejax.plan` reports that actual per-device cost
 beside the paper's proxy.)
 
 Partitioning is exact, not greedy: the contiguous partition minimising the
-largest stage cost (dynamic programming over the ≤ 2L+2 units).
+largest stage cost (dynamic programming over the ≤ 2L+2 units). Many
+partitions often reach that optimum (the first stage's frozen charge leaves
+the others slack); among them the one whose stages touch the fewest blocks
+is taken, since every stage runs as many block slots as the widest one
+(:mod:`pipejax.partition`) and each slot costs a branch at every pipeline
+tick. The balance, Eq. 2's proxy and so compression are unchanged by that
+choice.
 """
 from __future__ import annotations
 
@@ -43,10 +49,17 @@ class UnitCosts:
   costs: tuple[float, ...]
 
   def active(self, num_frozen_layers: int) -> list[float]:
-    units = Partition(self.num_layers, num_frozen_layers,
-                      (2 * (self.num_layers - num_frozen_layers) + 1
-                       + int(num_frozen_layers == 0),)).active_units
-    return [self.costs[u] for u in units]
+    return [self.costs[u] for u in self._active_units(num_frozen_layers)]
+
+  def active_blocks(self, num_frozen_layers: int) -> list[int | None]:
+    """The block of each active unit (None: the embedding and the head)."""
+    return [(u - 1) // 2 if 1 <= u <= 2 * self.num_layers else None
+            for u in self._active_units(num_frozen_layers)]
+
+  def _active_units(self, num_frozen_layers: int) -> tuple[int, ...]:
+    return Partition(self.num_layers, num_frozen_layers,
+                     (2 * (self.num_layers - num_frozen_layers) + 1
+                      + int(num_frozen_layers == 0),)).active_units
 
   def frozen(self, num_frozen_layers: int) -> float:
     """S_frozen: the embedding and the frozen blocks (0 when nothing is frozen)."""
@@ -66,11 +79,15 @@ def parameter_costs(params: Any) -> UnitCosts:
                    + (size(params['head']),))
 
 
-def balance(costs: Sequence[float], num_stages: int,
-            first_stage_offset: float = 0.0) -> tuple[int, ...]:
+def balance(costs: Sequence[float], num_stages: int, first_stage_offset: float = 0.0,
+            blocks: Sequence[int | None] | None = None) -> tuple[int, ...]:
   """Contiguous split of ``costs`` into ``num_stages`` non-empty stages that
   minimises the largest stage sum, the first stage charged
   ``first_stage_offset`` on top (the λ-costed frozen layers).
+
+  With ``blocks`` (the block of each unit, None for one in no block), of the
+  splits that reach that minimum the one whose widest stage touches the
+  fewest blocks (the one found first when it is no narrower).
 
   Returns the stage sizes (units per stage).
   """
@@ -93,7 +110,52 @@ def balance(costs: Sequence[float], num_stages: int,
         choice = cand
     return choice
 
-  return best(0, num_stages)[1]
+  largest, sizes = best(0, num_stages)
+  if blocks is None:
+    return sizes
+  return _narrowest(costs, num_stages, first_stage_offset, blocks, largest, sizes)
+
+
+def _narrowest(costs: Sequence[float], num_stages: int, first_stage_offset: float,
+               blocks: Sequence[int | None], largest: float,
+               sizes: tuple[int, ...]) -> tuple[int, ...]:
+  """Of the splits whose every stage costs at most ``largest`` (the optimum
+  :func:`balance` found as ``sizes``), the one with the fewest blocks in its
+  widest stage; ``sizes`` unless another is strictly narrower."""
+  n = len(costs)
+  if len(blocks) != n:
+    raise ValueError(f'{len(blocks)} block indices for {n} units')
+  prefix = np.concatenate([[0.0], np.cumsum(costs)])
+  limit = largest + 1e-9 * max(1.0, abs(largest))
+
+  def touched(start: int, end: int) -> int:
+    return len({b for b in blocks[start:end] if b is not None})
+
+  def width(split: tuple[int, ...]) -> int:
+    bounds = np.cumsum((0,) + split)
+    return max(touched(a, b) for a, b in zip(bounds, bounds[1:]))
+
+  @functools.lru_cache(maxsize=None)
+  def narrow(start: int, stages: int) -> tuple[int, tuple[int, ...]] | None:
+    offset = first_stage_offset if start == 0 else 0.0
+    if stages == 1:
+      if prefix[n] - prefix[start] + offset > limit:
+        return None
+      return touched(start, n), (n - start,)
+    choice = None
+    for end in range(start + 1, n - stages + 2):
+      if prefix[end] - prefix[start] + offset > limit:
+        break  # costs are non-negative: a longer stage costs more
+      rest = narrow(end, stages - 1)
+      if rest is None:
+        continue
+      cand = (max(touched(start, end), rest[0]), (end - start,) + rest[1])
+      if choice is None or cand[0] < choice[0]:
+        choice = cand
+    return choice
+
+  found = narrow(0, num_stages)
+  return found[1] if found is not None and found[0] < width(sizes) else sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +173,8 @@ def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int
   """The balanced partition of the active units into ``pipeline_length`` stages."""
   active = costs.active(num_frozen_layers)
   frozen = costs.frozen(num_frozen_layers)
-  sizes = balance(active, pipeline_length, lambda_frozen * frozen)
+  sizes = balance(active, pipeline_length, lambda_frozen * frozen,
+                  blocks=costs.active_blocks(num_frozen_layers))
   stage_costs, start = [], 0
   for size in sizes:
     stage_costs.append(float(sum(active[start:start + size])))

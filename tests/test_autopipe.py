@@ -36,6 +36,63 @@ def test_balance_is_optimal(seed):
     assert got == pytest.approx(_brute_force(costs, k, offset))
 
 
+def _splits(n, k):
+  for cuts in itertools.combinations(range(1, n), k - 1):
+    bounds = (0,) + cuts + (n,)
+    yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _stage_sums(costs, sizes, offset):
+  starts = np.cumsum((0,) + tuple(sizes))
+  return [sum(costs[a:b]) + (offset if i == 0 else 0)
+          for i, (a, b) in enumerate(zip(starts, starts[1:]))]
+
+
+def _width(blocks, sizes):
+  starts = np.cumsum((0,) + tuple(sizes))
+  return max(len({x for x in blocks[a:b] if x is not None}) for a, b in zip(starts, starts[1:]))
+
+
+@pytest.mark.parametrize('seed', range(8))
+def test_balance_takes_the_narrowest_of_the_optimal_splits(seed):
+  """With the units' blocks given, the split is still optimal in its
+  largest stage, and of all optimal splits (brute force) its widest stage
+  touches the fewest blocks; without a narrower one it is the plain split."""
+  rng = np.random.default_rng(100 + seed)
+  layers = int(rng.integers(2, 6))
+  frozen = int(rng.integers(0, layers))
+  units = Partition(layers, frozen, (2 * (layers - frozen) + 1 + int(frozen == 0),)).active_units
+  blocks = [(u - 1) // 2 if 1 <= u <= 2 * layers else None for u in units]
+  costs = [float(rng.choice([1.0, 2.0, 3.0])) for _ in units]
+  for k in range(1, min(6, len(costs)) + 1):
+    offset = float(rng.integers(0, 8))
+    plain = autopipe.balance(costs, k, offset)
+    sizes = autopipe.balance(costs, k, offset, blocks=blocks)
+    best = _brute_force(costs, k, offset)
+    assert max(_stage_sums(costs, sizes, offset)) == pytest.approx(best)
+    narrowest = min(_width(blocks, s) for s in _splits(len(costs), k)
+                    if max(_stage_sums(costs, s, offset)) <= best + 1e-9)
+    assert _width(blocks, sizes) == narrowest
+    if _width(blocks, plain) == narrowest:
+      assert sizes == plain
+
+
+def test_the_default_model_s_stages_after_a_freeze_are_one_block_wide_where_balance_allows():
+  """The embedded default (12 blocks, parameter costs, λ_frozen = 1/6): at
+  F = 6 the frozen charge on stage 0 leaves the others room, and a split with
+  the same largest stage puts every stage within one block (the plain split
+  straddled blocks: two slots a stage); at F = 4 no such split exists."""
+  attn, mlp = 16.6, 33.1
+  costs = autopipe.UnitCosts(12, (12.0,) + (attn, mlp) * 12 + (0.6,))
+  six = autopipe.partition_for(costs, 6, 8, 1 / 6)
+  plain = autopipe.balance(costs.active(6), 8, costs.frozen(6) / 6)
+  assert Partition(12, 6, plain).tables.num_slots == 2
+  assert six.partition.tables.num_slots == 1
+  assert six.memory_proxy == pytest.approx(
+      max(_stage_sums(costs.active(6), plain, costs.frozen(6) / 6)))
+  assert autopipe.partition_for(costs, 4, 8, 1 / 6).partition.tables.num_slots == 2
+
+
 def _uniform(num_layers, embed=1.0, sub=2.0, head=1.0):
   return autopipe.UnitCosts(num_layers, (embed,) + (sub,) * (2 * num_layers) + (head,))
 
