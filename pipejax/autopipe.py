@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from pipejax.partition import Partition, PartitionError
+from pipejax.partition import Partition, PartitionError, unit_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,7 @@ class UnitCosts:
 
   def active_blocks(self, num_frozen_layers: int) -> list[int | None]:
     """The block of each active unit (None: the embedding and the head)."""
-    return [(u - 1) // 2 if 1 <= u <= 2 * self.num_layers else None
-            for u in self._active_units(num_frozen_layers)]
+    return [unit_block(u, self.num_layers) for u in self._active_units(num_frozen_layers)]
 
   def _active_units(self, num_frozen_layers: int) -> tuple[int, ...]:
     return Partition(self.num_layers, num_frozen_layers,
@@ -113,19 +112,19 @@ def balance(costs: Sequence[float], num_stages: int, first_stage_offset: float =
   largest, sizes = best(0, num_stages)
   if blocks is None:
     return sizes
-  return _narrowest(costs, num_stages, first_stage_offset, blocks, largest, sizes)
+  return _narrowest(prefix, num_stages, first_stage_offset, blocks, largest, sizes)
 
 
-def _narrowest(costs: Sequence[float], num_stages: int, first_stage_offset: float,
+def _narrowest(prefix: np.ndarray, num_stages: int, first_stage_offset: float,
                blocks: Sequence[int | None], largest: float,
                sizes: tuple[int, ...]) -> tuple[int, ...]:
   """Of the splits whose every stage costs at most ``largest`` (the optimum
-  :func:`balance` found as ``sizes``), the one with the fewest blocks in its
-  widest stage; ``sizes`` unless another is strictly narrower."""
-  n = len(costs)
+  :func:`balance` found as ``sizes``; ``prefix``: the units' cost prefix
+  sums), the one with the fewest blocks in its widest stage; ``sizes``
+  unless another is strictly narrower."""
+  n = len(prefix) - 1
   if len(blocks) != n:
     raise ValueError(f'{len(blocks)} block indices for {n} units')
-  prefix = np.concatenate([[0.0], np.cumsum(costs)])
   limit = largest + 1e-9 * max(1.0, abs(largest))
 
   def touched(start: int, end: int) -> int:

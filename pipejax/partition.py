@@ -129,17 +129,23 @@ class SlotTables:
     return self.layer, self.has_attention, self.has_mlp
 
 
+def unit_block(unit: int, num_layers: int) -> int | None:
+  """The block whose attention (odd id) or MLP (even id) half a unit is;
+  None for the embedding (0) and the head (2L+1)."""
+  return None if unit in (0, 2 * num_layers + 1) else (unit - 1) // 2
+
+
 def _slot_tables(partition: Partition) -> SlotTables:
   per_stage = []
   for units in partition.stage_units():
     slots: list[list] = []  # [layer, has_attention, has_mlp]
     for u in units:
-      if u == 0 or u == 2 * partition.num_layers + 1:
+      layer = unit_block(u, partition.num_layers)
+      if layer is None:
         continue
-      layer, kind = divmod(u - 1, 2)
       if not slots or slots[-1][0] != layer:
         slots.append([layer, False, False])
-      slots[-1][1 + kind] = True
+      slots[-1][1 + (u - 1) % 2] = True
     per_stage.append(slots)
   width = max(1, partition.min_slots, max(len(s) for s in per_stage))
   k = partition.pipeline_length
