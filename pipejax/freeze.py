@@ -51,7 +51,16 @@ def check_config(policy: str, alpha: float, num_layers: int, min_active_layers: 
 
 @dataclasses.dataclass
 class Decision:
-  """One freeze decision with all its inputs (logged and checkpointed)."""
+  """One freeze decision with all its inputs (logged and checkpointed).
+
+  Attributes:
+    alpha_bound: the α term ``F + α (L − F)`` (real-valued) compared this
+      timestep; None in decisions saved before it was recorded.
+    bound: Eq. 1's value after the min with the argmin term and the cap,
+      carried to the next timestep (see the module docstring).
+    argmin: the active block with the smallest accumulated norm (it maps to
+      ``argmin + 1`` frozen blocks); None for the policies without norms.
+  """
   timestep: int
   step: int
   previous: int
@@ -59,11 +68,13 @@ class Decision:
   argmin: int | None
   norms: list[float] | None
   result: int
+  alpha_bound: float | None = None
 
   def describe(self) -> str:
     argmin = '-' if self.argmin is None else f'{self.argmin} (→{self.argmin + 1})'
+    alpha = '' if self.alpha_bound is None else f'α bound {self.alpha_bound:.2f}, '
     return (f'freeze T={self.timestep}: F {self.previous} -> {self.result} '
-            f'(bound {self.bound:.2f}, argmin {argmin})')
+            f'({alpha}argmin {argmin}, Eq. 1 bound {self.bound:.2f})')
 
 
 @dataclasses.dataclass
@@ -137,6 +148,7 @@ class FreezePolicy:
     previous = s.num_frozen_layers
     argmin, norms = None, None
     bound, result = self.bound_result()
+    alpha_bound = None if self.policy == 'none' else bound
     if self.policy == 'pipetransformer':
       if layer_grad_norms is None:
         raise ValueError('the pipetransformer policy needs per-layer gradient norms')
@@ -150,7 +162,7 @@ class FreezePolicy:
     s.bound = bound
     s.timestep += 1
     s.num_frozen_layers = result
-    decision = Decision(s.timestep, step, previous, bound, argmin, norms, result)
+    decision = Decision(s.timestep, step, previous, bound, argmin, norms, result, alpha_bound)
     s.history.append(decision)
     return decision
 

@@ -13,22 +13,27 @@ def test_schedule_policy_reproduces_figure_4(alpha):
   expected = freeze.schedule_curve(L, alpha, 8)
   # The cap keeps one layer trainable.
   assert got == [min(x, L - 1) for x in expected]
-  # Spot values read off the paper's curves (L=24): α=0.5 is at 12, 18, 21.
-  if alpha == 0.5:
-    assert got[1:4] == [12, 18, 21]
-  if alpha == 0.1:
-    assert got[1:3] == [2, 4]  # 2.4, 4.56
+  # Worked by hand, floor(24 (1 − (1 − α)^T)) for T = 1..4, independent of
+  # schedule_curve: e.g. α = 0.2: 4.8, 8.64, 11.69, 14.17.
+  by_hand = {0.1: [2, 4, 6, 8],        # 2.4, 4.56, 6.50, 8.25
+             0.2: [4, 8, 11, 14],
+             0.3: [7, 12, 15, 18],     # 7.2, 12.24, 15.77, 18.24
+             0.5: [12, 18, 21, 22]}    # 12, 18, 21, 22.5
+  assert got[1:5] == by_hand[alpha]
 
 
 def test_eq1_argmin_smaller_than_bound():
   policy = freeze.FreezePolicy('pipetransformer', 8, 0.5)
   # bound = 4; block 1 has the smallest norm → freeze blocks 0..1 → F = 2.
   d = policy.decide(np.array([5.0, 0.5, 3.0, 0.9, 2.0, 2.0, 2.0, 2.0]))
-  assert (d.bound, d.argmin, d.result) == (2.0, 1, 2)
+  assert (d.alpha_bound, d.bound, d.argmin, d.result) == (4.0, 2.0, 1, 2)
+  # The log line names every input: the α bound compared, the argmin, the result.
+  assert d.describe() == ('freeze T=1: F 0 -> 2 (α bound 4.00, argmin 1 (→2), '
+                          'Eq. 1 bound 2.00)')
   # Next: bound = 2 + 0.5 * 6 = 5; norms of frozen blocks are ignored (block 0
   # has 0); among active blocks 2..7 the argmin is block 6 → 7, so bound wins.
   d = policy.decide(np.array([0.0, 0.0, 3.0, 1.0, 2.0, 2.0, 0.1, 2.0]))
-  assert (d.argmin, d.bound, d.result) == (6, 5.0, 5)
+  assert (d.argmin, d.alpha_bound, d.bound, d.result) == (6, 5.0, 5.0, 5)
 
 
 def test_eq1_bound_smaller_and_cap_and_never_unfreeze():
@@ -57,6 +62,12 @@ def test_none_policy_and_state_round_trip():
   restored = freeze.FreezeState.from_dict(p.state.to_dict())
   assert restored == p.state
   assert 'F 0 -> ' in p.state.history[0].describe()
+  assert policy.state.history[0].alpha_bound is None  # no α term without a policy
+  # A history saved before the α bound was recorded still loads.
+  old = p.state.to_dict()
+  for h in old['history']:
+    del h['alpha_bound']
+  assert freeze.FreezeState.from_dict(old).history[0].alpha_bound is None
 
 
 @pytest.mark.parametrize('policy,alpha,match', [
