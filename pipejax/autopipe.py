@@ -216,20 +216,27 @@ class MicroBatchProfile:
   """Chosen micro-batch counts per pipeline length, remembered for the run and
   in a JSON file shared by runs of the same configuration.
 
+  The file maps a hash of ``key`` to ``{"about": about, "choices": {K: {...}}}``
+  so that it can be read without the run's key (``python -m pipejax.plan
+  --profile``: see :func:`profiled_choices`).
+
   Args:
     path: the JSON file (None keeps it in memory only).
-    key: identity of the configuration (model, batch, devices, …).
+    key: identity of the configuration (model, batch, devices, …); hashed.
+    about: a JSON description of the configuration saved beside the choices
+      (by the trainer: :func:`profile_about`).
   """
 
-  def __init__(self, path: str | None, key: dict[str, Any]):
+  def __init__(self, path: str | None, key: dict[str, Any], about: dict[str, Any] | None = None):
     self.path = path
     self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    self.about = about or {}
     self.entries: dict[str, Any] = {}
     if path and os.path.exists(path):
       try:
         with open(path) as f:
-          self.entries = json.load(f).get(self.key, {})
-      except (OSError, json.JSONDecodeError):
+          self.entries = _choices(json.load(f).get(self.key, {}))
+      except (OSError, json.JSONDecodeError, AttributeError):
         self.entries = {}  # A corrupt profile is re-measured, never trusted.
 
   def get(self, pipeline_length: int) -> int | None:
@@ -264,7 +271,7 @@ class MicroBatchProfile:
             data = json.load(f)
         except (OSError, json.JSONDecodeError):
           data = {}
-      data[self.key] = self.entries
+      data[self.key] = {'about': self.about, 'choices': self.entries}
       tmp = f'{self.path}.tmp'
       with open(tmp, 'w') as f:
         json.dump(data, f, indent=1)
@@ -272,3 +279,54 @@ class MicroBatchProfile:
     except OSError as e:
       warnings.warn(f'cannot write the micro-batch profile {self.path}: {e}; '
                     f'keeping it for this run only')
+
+
+def _choices(record: Any) -> dict[str, Any]:
+  """The ``{K: {"micro_batches": M, ...}}`` of one profile record (also of a
+  record written before records had an ``about``: the choices alone)."""
+  if not isinstance(record, dict):
+    return {}
+  choices = record.get('choices', record)
+  return {k: v for k, v in choices.items()
+          if k.isdigit() and isinstance(v, dict) and 'micro_batches' in v}
+
+
+def profile_about(hf_config: Any, *, devices: int, batch: int, batch_mode: str,
+                  platform: str, schedule: str) -> dict[str, Any]:
+  """What a profile record says of its run (JSON): the model's HF config
+  and the figures that decide a micro-batch count."""
+  config = json.loads(json.dumps(hf_config.to_dict(), sort_keys=True, default=str))
+  config['num_labels'] = hf_config.num_labels  # to_dict() has only the labels' names
+  return {'hf_config': config, 'devices': devices, 'batch': batch, 'batch_mode': batch_mode,
+          'platform': platform, 'schedule': schedule}
+
+
+def profiled_choices(path: str, model: dict[str, Any], devices: int,
+                     batch: int | None = None) -> list[tuple[dict[str, Any], dict[str, int]]]:
+  """The records of the profile at ``path`` whose model has every field of
+  ``model`` (e.g. a preset's ``model_type``, sizes and classes) and that ran on
+  ``devices`` devices (and a global batch of ``batch``, when given): a list of
+  ``(about, {K: M})``.
+
+  Raises:
+    ValueError: the file cannot be read or is not a profile.
+  """
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
+  if not isinstance(data, dict):
+    raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
+  found = []
+  for record in data.values():
+    about = record.get('about') if isinstance(record, dict) else None
+    if not about:
+      continue  # written before records described their run
+    config = about.get('hf_config', {})
+    if about.get('devices') != devices or any(config.get(k) != v for k, v in model.items()):
+      continue
+    if batch is not None and about.get('batch') != batch:
+      continue
+    found.append((about, {int(k): int(v['micro_batches']) for k, v in _choices(record).items()}))
+  return found

@@ -5,8 +5,10 @@
 ``stages`` lists each stage's sub-layers (``embed``, ``attn.i``, ``mlp.i``,
 ``head``) and parameter count; ``pipeline_length`` is after compression
 (Eq. 2) from ``--initial-pipeline-length`` (default: the device count);
-``micro_batches`` is the profiled choice remembered in ``--profile`` when one
-exists for this configuration, else the smallest candidate (K). Memory is
+``micro_batches`` is the choice that a training run of the same model on as
+many devices (and ``--batch-size``, when given) profiled and remembered in
+the file ``--profile`` (its ``pipeline.profile_path``), else the smallest
+candidate (K); ``micro_batches_source`` says which. Memory is
 estimated per device for float32 training with AdamW: the stage's trainable
 parameters with gradients and two moments (16 bytes each), the padding of the
 stage layout, and the replicated frozen prefix and embedding/head (4 bytes).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pipejax import runtime
@@ -27,6 +30,28 @@ def _unit_name(unit: int, num_layers: int) -> str:
     return 'head'
   layer, kind = divmod(unit - 1, 2)
   return f'{"attn" if kind == 0 else "mlp"}.{layer}'
+
+
+def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
+              batch_size: int | None, k: int) -> tuple[int, str]:
+  """M for K from a training run's profile (``pipeline.profile_path``) of
+  this model on this many devices, and where it came from; K without one."""
+  if not profile:
+    return k, 'default (K; profiling happens at training time)'
+  from pipejax import autopipe  # noqa: PLC0415
+  profile = os.path.expanduser(profile)
+  runs = [(about, choices) for about, choices in autopipe.profiled_choices(
+      profile, model, devices, batch_size) if k in choices]
+  batch = '' if batch_size is None else f', global batch {batch_size}'
+  chosen = {choices[k] for _, choices in runs}
+  if not chosen:
+    return k, (f'default (K; {profile} holds no choice for K={k} of {model_name} on '
+               f'{devices} devices{batch})')
+  if len(chosen) > 1:
+    batches = sorted({about.get('batch') for about, _ in runs}, key=str)
+    raise ValueError(f'{profile} holds runs of {model_name} on {devices} devices that chose '
+                     f'different M for K={k} (global batches {batches}); pass --batch-size')
+  return chosen.pop(), f'profile {profile} ({len(runs)} run{"s" * (len(runs) > 1)}{batch})'
 
 
 def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,
@@ -52,12 +77,8 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
   partition = stage_plan.partition
   k = partition.pipeline_length
   replicas = devices // k
-  micro = None
-  if profile:
-    micro = autopipe.MicroBatchProfile(profile, {'model': model_name, 'devices': devices,
-                                                 'batch': batch_size}).get(k)
-  source = 'profile' if micro else 'default (K; profiling happens at training time)'
-  micro = micro or k
+  micro, source = _profiled(profile, model_name, dict(
+      overrides, model_type=created.model.hf_config.model_type), devices, batch_size, k)
   unit_costs = costs.costs
   slots = partition.tables.num_slots
   attn, mlp = unit_costs[1], unit_costs[2]
@@ -95,8 +116,10 @@ def main(argv=None) -> int:
   p.add_argument('--frozen-layers', type=int, default=0)
   p.add_argument('--lambda-frozen', type=float, default=1 / 6)
   p.add_argument('--initial-pipeline-length', type=int, default=None)
-  p.add_argument('--batch-size', type=int, default=None)
-  p.add_argument('--profile', default=None, help='micro-batch profile JSON of a training run')
+  p.add_argument('--batch-size', type=int, default=None,
+                 help='the global batch of the profiled run (with --profile)')
+  p.add_argument('--profile', default=None,
+                 help="a training run's micro-batch profile (its pipeline.profile_path)")
   args = p.parse_args(argv)
   runtime.setup(1)
   try:

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import models
 from pipejax import autopipe
 from pipejax.partition import Partition, PartitionError
 
@@ -180,6 +181,67 @@ def test_plan_cli_vit_b16():
                         '--devices', '8'], capture_output=True, text=True)
   assert bad.returncode == 2 and "unknown model 'vit-x'" in bad.stderr
   assert 'Traceback' not in bad.stderr
+
+
+def _plan_cli(*args):
+  return subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
+                         '--devices', '8', *args], capture_output=True, text=True)
+
+
+def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_path):
+  """``pipejax.plan --profile``: the M that a run of the same model on as many
+  devices chose (the trainer's record, with its ``about``), not another
+  model's, another device count's or a record without a description."""
+  path = str(tmp_path / 'profile.json')
+  vit_b16 = models.config_for('vit', **models.PRESETS['vit-b16'][1])
+  bert = models.config_for('bert-classification', **models.PRESETS['bert-base'][1])
+
+  def remember(hf_config, key, devices, batch, k, m):
+    about = autopipe.profile_about(hf_config, devices=devices, batch=batch,
+                                   batch_mode='global', platform='cpu', schedule='1f1b')
+    profile = autopipe.MicroBatchProfile(path, {'run': key}, about)
+    assert profile.choose(k, [k, m], lambda x: 1.0 / x)[0] == m  # the larger M is faster
+
+  remember(bert, 'bert', 8, 64, 8, 24)         # another model
+  remember(vit_b16, 'vit on 16', 16, 64, 8, 32)  # another device count
+  remember(vit_b16, 'vit', 8, 64, 8, 16)
+  with open(path) as f:
+    data = json.load(f)
+  data['written-before-about'] = {'8': {'micro_batches': 40, 'seconds': {}}}
+  with open(path, 'w') as f:
+    json.dump(data, f)
+  plan = json.loads(_plan_cli('--profile', path).stdout)
+  assert plan['micro_batches'] == 16 and plan['micro_batches_source'].startswith('profile ')
+  # No choice for K = 4 (an initial pipeline of 4): K itself, saying why.
+  plan = json.loads(_plan_cli('--profile', path, '--initial-pipeline-length', '4').stdout)
+  assert plan['micro_batches'] == 4 and 'holds no choice for K=4' in plan['micro_batches_source']
+  # Two runs of the model that chose differently: the global batch decides.
+  remember(vit_b16, 'vit, batch 128', 8, 128, 8, 24)
+  out = _plan_cli('--profile', path)
+  assert out.returncode == 2 and out.stderr.count('\n') == 1
+  assert 'chose different M for K=8 (global batches [128, 64]); pass --batch-size' in out.stderr
+  assert json.loads(_plan_cli('--profile', path, '--batch-size', '128').stdout)[
+      'micro_batches'] == 24
+  with open(path, 'w') as f:
+    f.write('{corrupt')
+  out = _plan_cli('--profile', path)
+  assert out.returncode == 2 and 'cannot read the micro-batch profile' in out.stderr
+  assert 'Traceback' not in out.stderr
+
+
+def test_a_profile_written_before_records_had_a_description_is_still_used(tmp_path):
+  path = str(tmp_path / 'profile.json')
+  key = {'model': 'x'}
+  digest = autopipe.MicroBatchProfile(None, key).key
+  with open(path, 'w') as f:
+    json.dump({digest: {'8': {'micro_batches': 16, 'seconds': {}}}}, f)
+  profile = autopipe.MicroBatchProfile(path, key, {'devices': 8})
+  assert profile.get(8) == 16
+  assert profile.choose(4, [4, 8], lambda m: 1.0 / m)[0] == 8  # rewritten with its about
+  with open(path) as f:
+    assert json.load(f)[digest] == {'about': {'devices': 8}, 'choices': {
+        '8': {'micro_batches': 16, 'seconds': {}},
+        '4': {'micro_batches': 8, 'seconds': {'4': 0.25, '8': 0.125}}}}
 
 
 def test_partition_rejects_bad_frozen_count():
