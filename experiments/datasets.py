@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from pipejax import runtime
 from pipejax.data import ArraySource, TfdsSource
 
 
@@ -103,9 +104,10 @@ def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') 
     raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed '
                          f'({e}); pip install -r requirements.txt') from e
   try:
-    train = tfds.data_source(name, split='train', data_dir=data_dir or None, download=False)
-    evaluation = tfds.data_source(name, split='validation', data_dir=data_dir or None,
-                                  download=False)
+    with runtime.absl_errors_only():  # TFDS warns about each folder it probes
+      train = tfds.data_source(name, split='train', data_dir=data_dir or None, download=False)
+      evaluation = tfds.data_source(name, split='validation', data_dir=data_dir or None,
+                                    download=False)
   except Exception as e:  # tfds raises several types for "not prepared"
     raise DatasetMissing(
         f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '

@@ -157,15 +157,21 @@ def resolve_data(config, task: str = 'vit'):
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
+def _pretrained(kind: str, path: str, num_labels: int) -> models.Created:
+  """``model.pretrained`` loaded with a new head of ``num_labels`` classes; a
+  path or hub name that does not load is a :class:`ConfigError`."""
+  try:
+    return models.create(kind, pretrained=path, num_labels=num_labels)
+  except ValueError as e:
+    raise ConfigError(f'model.pretrained: {e}') from e
+
+
 def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Created:
   """A pretrained BERT (``model.pretrained``) or a randomly initialised preset
   sized to the tokenizer's vocabulary."""
   m = config.model
   if m.pretrained:
-    try:
-      created = models.create(kind, pretrained=m.pretrained, num_labels=data.num_classes)
-    except ValueError as e:
-      raise ConfigError(str(e)) from e
+    created = _pretrained(kind, m.pretrained, data.num_classes)
   else:
     presets = [k for k, v in models.PRESETS.items() if v[0].startswith('bert')]
     if m.preset == 'custom':
@@ -196,7 +202,7 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
     return _bert_model(config, data, 'bert-question_answering')
   m = config.model
   if m.pretrained:
-    return models.create('vit', pretrained=m.pretrained, num_labels=data.num_classes)
+    return _pretrained('vit', m.pretrained, data.num_classes)
   preset = m.preset
   if preset == 'auto':
     preset = 'vit-b16' if data.name.startswith('imagenet') else 'custom'

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from pipejax import runtime
+
 
 class CheckpointError(RuntimeError):
   """A checkpoint that could not be written or read (one-line message)."""
@@ -44,7 +46,8 @@ def _single_process_array_writes() -> None:
     return  # already off (set by us, or by the user's own registration)
   handler = copy.copy(current)  # keeps every other option of the registered one
   handler._use_replica_parallel = False  # noqa: SLF001 - read at each save
-  ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  with runtime.absl_errors_only():  # orbax warns at every override
+    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 class Checkpoints:

@@ -3,6 +3,7 @@ cache, quiet third-party warnings. Call :func:`setup` before importing JAX."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import warnings
@@ -38,6 +39,21 @@ def setup(cpu_devices: int = 8) -> None:
     # per transition (step, move, prefix, advance, portable state) that each
     # compile in 0.2-0.8 s on a CPU, and reading one back takes ~0.1 s.
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+@contextlib.contextmanager
+def absl_errors_only():
+  """absl's warnings off inside the block: for library calls that log an
+  expected condition as a warning (orbax re-registering a type handler, TFDS
+  probing a data set that is not prepared), which would otherwise precede a
+  run's own one-line message."""
+  from absl import logging as absl_logging  # noqa: PLC0415
+  before = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(min(before, absl_logging.ERROR))  # lower: quieter
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(before)
 
 
 def program_store_dir() -> str | None:

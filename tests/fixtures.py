@@ -91,6 +91,8 @@ def check_run_outputs(workdir: str, epochs: int, summary_keys: tuple[str, ...] =
   for key in ('mode', 'config', 'total_seconds', 'final_eval_accuracy', 'best_eval_accuracy',
               'transitions') + summary_keys:
     assert key in summary
+  for t in summary['transitions']:  # each with what it cost
+    assert t['compile_seconds'] >= 0 and t['reshard_seconds'] >= 0
   assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
   assert os.listdir(os.path.join(workdir, 'checkpoints'))
   return rows, summary

@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from experiments import datasets, elastic, vit_imagenet
+from pipejax import autopipe
 from tests import fixtures
 
 def _config(tmp_path, **overrides):
@@ -34,9 +36,28 @@ def test_default_config_smoke(tmp_path):
   # The α bound predicted that plan, so it was compiled while epoch 0 trained.
   assert saved['transitions'][0]['compiled_ahead'] is True
   assert summary['mode'] == 'elastic'
-  # Every plan's micro-batch count was profiled and remembered.
-  with open(tmp_path / 'profile.json') as f:
-    assert json.load(f)
+  # Every plan's micro-batch count was profiled and remembered, with what the
+  # run was (so that `pipejax.plan --profile` finds it).
+  assert set(saved['micro_batch_timings']) == {'8'}
+  (about, choices), = autopipe.profiled_choices(
+      str(tmp_path / 'profile.json'), {'model_type': 'vit', 'num_hidden_layers': 12}, 8)
+  assert about['batch'] == 32 and choices == {8: rows[1]['micro_batches']}  # after profiling
+
+  # The default config itself (Eq. 1, α = 1/3), a second run with the same
+  # profile: nothing is profiled again, the remembered M is used.
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.train.epochs, config.train.max_steps_per_epoch = 2, 5
+    config.pipeline.profile_path = str(tmp_path / 'profile.json')
+    config.data.name = 'digits'
+  again = elastic.run(config, str(tmp_path / 'again'), task='vit')
+  rows_again, _ = fixtures.check_run_outputs(str(tmp_path / 'again'), 2)
+  assert again['micro_batch_timings'] == {}
+  assert [r['micro_batches'] for r in rows_again] == [choices[8]] * 2
+  assert [r['pipeline_length'] for r in rows_again] == [8, 8]
+  decision = again['freeze_decisions'][0]
+  assert decision['alpha_bound'] == pytest.approx(4.0)  # 12 / 3
+  assert rows_again[1]['frozen_layers'] == decision['result'] == min(4, decision['argmin'] + 1)
 
 
 def test_digits_are_read_as_scikit_learn_loads_them():
@@ -120,15 +141,46 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
      'imagenet2012 is not prepared'),
     (['--config.train.no_such_key=1'], 'no_such_key'),
+    (['--config.model.pretrained=/nonexistent/vit'],
+     "model.pretrained: cannot load pretrained model from '/nonexistent/vit'"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
   out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
                         f'--workdir={tmp_path / "w"}',
                         f'--config.pipeline.profile_path={tmp_path / "p.json"}', *args],
                        capture_output=True, text=True, timeout=300)
-  assert out.returncode != 0
-  assert message in out.stderr
+  assert out.returncode == 2
+  # One line on stderr (progress and log lines go to stdout), naming the problem.
+  assert out.stderr.endswith('\n') and out.stderr.count('\n') == 1, out.stderr
+  assert out.stderr.startswith('error: ') and message in out.stderr
   assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_a_pretrained_vit_from_a_local_directory_trains(tmp_path):
+  """``--config.model.pretrained=DIR``: the run starts from the saved weights
+  (every array, the head included when the class count matches) and trains."""
+  from models import create, config_for  # noqa: PLC0415
+  data = datasets.digits(seed=0)
+  hf_config = config_for('vit', hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                         intermediate_size=32, image_size=data.image_size,
+                         num_channels=data.channels, patch_size=4,
+                         num_labels=data.num_classes)
+  saved = create('vit', hf_config, seed=0)
+  hf = saved.hf_class(hf_config, seed=11)
+  hf.save_pretrained(str(tmp_path / 'vit'))
+  config = _config(tmp_path, **{'data.name': 'digits', 'model.pretrained': str(tmp_path / 'vit'),
+                                'pipeline.initial_length': 4, 'train.epochs': 1,
+                                'train.max_steps_per_epoch': 3, 'pipeline.micro_batches': 4})
+  resolved = elastic.resolve_model(config, data)
+  got = jax.tree.leaves(resolved.model.to_hf(resolved.params))
+  want = jax.tree.leaves(hf.params)
+  assert len(got) == len(want)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+  workdir = str(tmp_path / 'run')
+  summary = elastic.run(config, workdir, task='vit')
+  rows, _ = fixtures.check_run_outputs(workdir, 1)
+  assert rows[0]['pipeline_length'] == 4 and summary['num_layers'] == 4
 
 
 def test_entry_points_exit_with_their_code_after_the_exit_handlers_and_output(tmp_path):
