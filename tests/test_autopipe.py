@@ -170,8 +170,20 @@ def test_plan_cli_vit_b16():
   assert total == pytest.approx(86.6e6, rel=0.01)  # ViT-B/16 with a 1000-class head
   # Exact min-max: 12.58M, the optimum with the embedding and 0.77M head
   # counted (the authors' code reached 14.2M); the transformer sub-layers
-  # alone never exceed 11.82M in one stage.
-  assert plan['max_stage_parameters'] <= 12.6e6
+  # alone never exceed 11.82M in one stage. The optimum, independently: every
+  # split of ViT-B/16's units (counted by hand) into 8 contiguous stages; no
+  # split reaches 12.0M.
+  d = 768
+  units = ([d * 3 * 16 * 16 + d + d + 197 * d]                      # patches, cls, positions
+           + [4 * (d * d + d) + 2 * d, 2 * d * 3072 + 3072 + d + 2 * d] * 12  # attn, mlp + LNs
+           + [2 * d + d * 1000 + 1000])                               # final LN, classifier
+  assert sum(units) == total
+  prefix = np.concatenate([[0], np.cumsum(units)])
+  cuts = np.array(list(itertools.combinations(range(1, len(units)), 7)))  # 480,700 splits
+  bounds = np.concatenate([np.zeros((len(cuts), 1), int), cuts,
+                           np.full((len(cuts), 1), len(units))], axis=1)
+  best = int(np.diff(prefix[bounds], axis=1).max(axis=1).min())
+  assert plan['max_stage_parameters'] == best == 12_582_376
   assert len(plan['estimated_memory_per_stage']) == 8
   frozen = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
                            '--devices', '8', '--frozen-layers', '8'],
