@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import sys
@@ -157,6 +158,22 @@ def resolve_data(config, task: str = 'vit'):
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
+def _fresh_workdir(task: str) -> str:
+  """A new folder ``runs/<task>-<date>-<time>`` (``-2``, ``-3``, … when a run
+  started in the same second already took it): a run without ``--workdir``
+  never resumes or overwrites another one."""
+  base = os.path.join('runs', f'{task}-{datetime.datetime.now().strftime("%Y%m%d-%H%M%S")}')
+  os.makedirs('runs', exist_ok=True)
+  for n in itertools.count(1):
+    path = base if n == 1 else f'{base}-{n}'
+    try:
+      os.mkdir(path)  # atomic: two runs cannot both create it
+      return path
+    except FileExistsError:
+      continue
+  raise AssertionError('unreachable')
+
+
 def _pretrained(kind: str, path: str, num_labels: int) -> models.Created:
   """``model.pretrained`` loaded with a new head of ``num_labels`` classes; a
   path or hub name that does not load is a :class:`ConfigError`."""
@@ -292,8 +309,11 @@ def run(config, workdir: str | None, task: str,
   if config.freeze.min_active_layers > model.num_layers:
     raise ConfigError(f'freeze.min_active_layers={config.freeze.min_active_layers} exceeds the '
                       f'{model.num_layers} layers')
-  workdir = workdir or os.path.join(
-      'runs', f'{task}-{datetime.datetime.now().strftime("%Y%m%d-%H%M%S")}')
+  if workdir is None:
+    if jax.process_count() > 1:
+      raise ConfigError('a run of several processes needs --workdir (the same folder for '
+                        'every process)')
+    workdir = _fresh_workdir(task)
   os.makedirs(workdir, exist_ok=True)
   ident = resume.identity(config, model.hf_config.to_dict())
   if not config.resume:

@@ -220,3 +220,16 @@ def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch
   assert 'the training loss is nan at step 5 (epoch 0)' in err[0]
   assert 'Last good checkpoint: none' in err[0]
   assert not os.listdir(tmp_path / 'run' / 'checkpoints')
+
+
+def test_runs_without_a_workdir_get_a_folder_each_even_in_the_same_second(tmp_path, monkeypatch):
+  import datetime  # noqa: PLC0415
+  import types  # noqa: PLC0415
+  fixed = datetime.datetime(2026, 11, 27, 12, 0, 0)
+  monkeypatch.setattr(elastic, 'datetime', types.SimpleNamespace(
+      datetime=types.SimpleNamespace(now=lambda: fixed)))
+  monkeypatch.chdir(tmp_path)
+  first, second, third = (elastic._fresh_workdir('vit') for _ in range(3))
+  assert first == os.path.join('runs', 'vit-20261127-120000')
+  assert (second, third) == (first + '-2', first + '-3')
+  assert all(os.path.isdir(p) and not os.listdir(p) for p in (first, second, third))
