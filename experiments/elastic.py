@@ -309,7 +309,7 @@ def run(config, workdir: str | None, task: str,
   if config.freeze.min_active_layers > model.num_layers:
     raise ConfigError(f'freeze.min_active_layers={config.freeze.min_active_layers} exceeds the '
                       f'{model.num_layers} layers')
-  if workdir is None:
+  if not workdir:
     if jax.process_count() > 1:
       raise ConfigError('a run of several processes needs --workdir (the same folder for '
                         'every process)')

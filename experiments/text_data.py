@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from experiments.datasets import DatasetMissing
+from pipejax import runtime
 from pipejax.data import ArraySource
 
 
@@ -112,18 +113,14 @@ def _data_source(name: str, split: str, data_dir: str, builder_module: str):
   # Without TensorFlow tfds imports its builder packages lazily; the builder
   # class registers itself (and its config names) only once imported.
   importlib.import_module(builder_module)
-  from absl import logging as absl_logging  # noqa: PLC0415
-  verbosity = absl_logging.get_verbosity()
-  absl_logging.set_verbosity(absl_logging.ERROR)  # "no dataset_info.json" is our one line
   try:
-    return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+    with runtime.absl_errors_only():  # "no dataset_info.json" is our one line
+      return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # tfds raises several types for "not prepared"
     raise DatasetMissing(
         f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
         f'({type(e).__name__}); prepare it with: tfds build {name} '
         f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
-  finally:
-    absl_logging.set_verbosity(verbosity)
 
 
 def _text(value) -> str:

@@ -216,9 +216,10 @@ class MicroBatchProfile:
   """Chosen micro-batch counts per pipeline length, remembered for the run and
   in a JSON file shared by runs of the same configuration.
 
-  The file maps a hash of ``key`` to ``{"about": about, "choices": {K: {...}}}``
-  so that it can be read without the run's key (``python -m pipejax.plan
-  --profile``: see :func:`profiled_choices`).
+  The file maps a hash of ``key`` to ``{K: {"micro_batches": M, ...}}``, and
+  under ``"about"`` each hash to a description of its run, so that the file
+  can be read without the run's key (``python -m pipejax.plan --profile``: see
+  :func:`profiled_choices`) and older pipejax versions still read it.
 
   Args:
     path: the JSON file (None keeps it in memory only).
@@ -231,13 +232,12 @@ class MicroBatchProfile:
     self.path = path
     self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     self.about = about or {}
-    self.entries: dict[str, Any] = {}
-    if path and os.path.exists(path):
-      try:
-        with open(path) as f:
-          self.entries = _choices(json.load(f).get(self.key, {}))
-      except (OSError, json.JSONDecodeError, AttributeError):
-        self.entries = {}  # A corrupt profile is re-measured, never trusted.
+    data = _read(path) if path and os.path.exists(path) else {}
+    self.entries: dict[str, Any] = _choices(data.get(self.key))  # corrupt: re-measured
+    described = data.get(ABOUT)
+    if self.entries and self.about and (
+        not isinstance(described, dict) or described.get(self.key) != self.about):
+      self._save()  # choices remembered before their run was described
 
   def get(self, pipeline_length: int) -> int | None:
     entry = self.entries.get(str(pipeline_length))
@@ -264,14 +264,12 @@ class MicroBatchProfile:
       return
     try:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      data = {}
-      if os.path.exists(self.path):
-        try:
-          with open(self.path) as f:
-            data = json.load(f)
-        except (OSError, json.JSONDecodeError):
-          data = {}
-      data[self.key] = {'about': self.about, 'choices': self.entries}
+      data = _read(self.path) if os.path.exists(self.path) else {}
+      data[self.key] = self.entries
+      if self.about:
+        if not isinstance(data.get(ABOUT), dict):
+          data[ABOUT] = {}
+        data[ABOUT][self.key] = self.about
       tmp = f'{self.path}.tmp'
       with open(tmp, 'w') as f:
         json.dump(data, f, indent=1)
@@ -281,52 +279,65 @@ class MicroBatchProfile:
                     f'keeping it for this run only')
 
 
+ABOUT = 'about'  # the profile file's key of the runs' descriptions
+
+
+def _read(path: str) -> dict[str, Any]:
+  """The profile file as a dict; ``{}`` when it is unreadable or not one."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return data if isinstance(data, dict) else {}
+
+
 def _choices(record: Any) -> dict[str, Any]:
-  """The ``{K: {"micro_batches": M, ...}}`` of one profile record (also of a
-  record written before records had an ``about``: the choices alone)."""
+  """The valid ``{K: {"micro_batches": M, ...}}`` entries of one record."""
   if not isinstance(record, dict):
     return {}
-  choices = record.get('choices', record)
-  return {k: v for k, v in choices.items()
-          if k.isdigit() and isinstance(v, dict) and 'micro_batches' in v}
+  return {k: v for k, v in record.items()
+          if isinstance(k, str) and k.isdecimal() and isinstance(v, dict)
+          and isinstance(v.get('micro_batches'), int) and v['micro_batches'] > 0}
 
 
 def profile_about(hf_config: Any, *, devices: int, batch: int, batch_mode: str,
-                  platform: str, schedule: str) -> dict[str, Any]:
+                  platform: str, schedule: str, exchange: str) -> dict[str, Any]:
   """What a profile record says of its run (JSON): the model's HF config
   and the figures that decide a micro-batch count."""
   config = json.loads(json.dumps(hf_config.to_dict(), sort_keys=True, default=str))
   config['num_labels'] = hf_config.num_labels  # to_dict() has only the labels' names
   return {'hf_config': config, 'devices': devices, 'batch': batch, 'batch_mode': batch_mode,
-          'platform': platform, 'schedule': schedule}
+          'platform': platform, 'schedule': schedule, 'exchange': exchange}
 
 
 def profiled_choices(path: str, model: dict[str, Any], devices: int,
-                     batch: int | None = None) -> list[tuple[dict[str, Any], dict[str, int]]]:
-  """The records of the profile at ``path`` whose model has every field of
-  ``model`` (e.g. a preset's ``model_type``, sizes and classes) and that ran on
-  ``devices`` devices (and a global batch of ``batch``, when given): a list of
-  ``(about, {K: M})``.
+                     batch: int | None = None) -> list[tuple[dict[str, Any], dict[int, int]]]:
+  """The described runs in the profile at ``path`` whose model has every
+  field of ``model`` (e.g. a preset's ``model_type``, sizes and classes) and
+  that ran on ``devices`` devices (with ``train.batch_size`` = ``batch``, when
+  given): a list of ``(about, {K: M})``.
 
   Raises:
     ValueError: the file cannot be read or is not a profile.
   """
   try:
-    with open(path) as f:
+    with open(path, encoding='utf-8') as f:
       data = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, ValueError) as e:
     raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
-  if not isinstance(data, dict):
-    raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
+  described = data.get(ABOUT) if isinstance(data, dict) else None
+  if not isinstance(described, dict):
+    raise ValueError(f'{path} holds no described runs (a micro-batch profile written by '
+                     f'pipejax.trainer holds them under "{ABOUT}")')
   found = []
-  for record in data.values():
-    about = record.get('about') if isinstance(record, dict) else None
-    if not about:
-      continue  # written before records described their run
-    config = about.get('hf_config', {})
+  for key, about in described.items():
+    if not isinstance(about, dict) or not isinstance(about.get('hf_config'), dict):
+      continue
+    config = about['hf_config']
     if about.get('devices') != devices or any(config.get(k) != v for k, v in model.items()):
       continue
     if batch is not None and about.get('batch') != batch:
       continue
-    found.append((about, {int(k): int(v['micro_batches']) for k, v in _choices(record).items()}))
+    found.append((about, {int(k): v['micro_batches'] for k, v in _choices(data.get(key)).items()}))
   return found

@@ -54,8 +54,9 @@ class Decision:
   """One freeze decision with all its inputs (logged and checkpointed).
 
   Attributes:
-    alpha_bound: the α term ``F + α (L − F)`` (real-valued) compared this
-      timestep; None in decisions saved before it was recorded.
+    alpha_bound: the α term compared this timestep, ``b + α (L − b)`` with
+      ``b`` the bound carried from the timestep before (real-valued; see the
+      module docstring); None in decisions saved before it was recorded.
     bound: Eq. 1's value after the min with the argmin term and the cap,
       carried to the next timestep (see the module docstring).
     argmin: the active block with the smallest accumulated norm (it maps to

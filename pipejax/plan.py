@@ -48,9 +48,12 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
     return k, (f'default (K; {profile} holds no choice for K={k} of {model_name} on '
                f'{devices} devices{batch})')
   if len(chosen) > 1:
-    batches = sorted({about.get('batch') for about, _ in runs}, key=str)
+    differ = {f: sorted({str(about.get(f)) for about, _ in runs})
+              for f in ('batch', 'batch_mode', 'platform', 'schedule', 'exchange')}
+    differ = ', '.join(f'{f} {v}' for f, v in differ.items() if len(v) > 1) or 'nothing listed'
+    hint = '; pass --batch-size' if batch_size is None and 'batch [' in differ else ''
     raise ValueError(f'{profile} holds runs of {model_name} on {devices} devices that chose '
-                     f'different M for K={k} (global batches {batches}); pass --batch-size')
+                     f'different M for K={k} (they differ in: {differ}){hint}')
   return chosen.pop(), f'profile {profile} ({len(runs)} run{"s" * (len(runs) > 1)}{batch})'
 
 
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
   p.add_argument('--lambda-frozen', type=float, default=1 / 6)
   p.add_argument('--initial-pipeline-length', type=int, default=None)
   p.add_argument('--batch-size', type=int, default=None,
-                 help='the global batch of the profiled run (with --profile)')
+                 help="the profiled run's train.batch_size (with --profile)")
   p.add_argument('--profile', default=None,
                  help="a training run's micro-batch profile (its pipeline.profile_path)")
   args = p.parse_args(argv)

@@ -247,7 +247,8 @@ class Trainer:
          'exchange': self.pipe.exchange},
         autopipe.profile_about(model.hf_config, devices=self.num_devices,
                                batch=c.train.batch_size, batch_mode=c.train.batch_mode,
-                               platform=self.devices[0].platform, schedule=c.pipeline.schedule))
+                               platform=self.devices[0].platform, schedule=c.pipeline.schedule,
+                               exchange=self.pipe.exchange))
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval: dict[tuple, concurrent.futures.Future] = {}  # compiled evaluation forwards

@@ -210,7 +210,8 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
 
   def remember(hf_config, key, devices, batch, k, m):
     about = autopipe.profile_about(hf_config, devices=devices, batch=batch,
-                                   batch_mode='global', platform='cpu', schedule='1f1b')
+                                   batch_mode='global', platform='cpu', schedule='1f1b',
+                                   exchange='all_gather')
     profile = autopipe.MicroBatchProfile(path, {'run': key}, about)
     assert profile.choose(k, [k, m], lambda x: 1.0 / x)[0] == m  # the larger M is faster
 
@@ -231,7 +232,8 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   remember(vit_b16, 'vit, batch 128', 8, 128, 8, 24)
   out = _plan_cli('--profile', path)
   assert out.returncode == 2 and out.stderr.count('\n') == 1
-  assert 'chose different M for K=8 (global batches [128, 64]); pass --batch-size' in out.stderr
+  assert ("chose different M for K=8 (they differ in: batch ['128', '64']); pass --batch-size"
+          in out.stderr)
   assert json.loads(_plan_cli('--profile', path, '--batch-size', '128').stdout)[
       'micro_batches'] == 24
   with open(path, 'w') as f:
@@ -242,18 +244,35 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
 
 
 def test_a_profile_written_before_records_had_a_description_is_still_used(tmp_path):
+  """Choices keep their old shape (``{K: {...}}`` under the key's hash, which
+  older pipejax versions read); a description is added under "about" as soon
+  as a run that knows it opens the file, and files that are not profiles are
+  re-measured, never trusted or fatal."""
   path = str(tmp_path / 'profile.json')
   key = {'model': 'x'}
   digest = autopipe.MicroBatchProfile(None, key).key
+  old = {'8': {'micro_batches': 16, 'seconds': {}}}
   with open(path, 'w') as f:
-    json.dump({digest: {'8': {'micro_batches': 16, 'seconds': {}}}}, f)
+    json.dump({digest: old, 'other': {'2': {'micro_batches': 4, 'seconds': {}}}}, f)
   profile = autopipe.MicroBatchProfile(path, key, {'devices': 8})
   assert profile.get(8) == 16
-  assert profile.choose(4, [4, 8], lambda m: 1.0 / m)[0] == 8  # rewritten with its about
   with open(path) as f:
-    assert json.load(f)[digest] == {'about': {'devices': 8}, 'choices': {
+    data = json.load(f)
+  assert data == {digest: old, 'other': {'2': {'micro_batches': 4, 'seconds': {}}},
+                  'about': {digest: {'devices': 8}}}
+  assert profile.choose(4, [4, 8], lambda m: 1.0 / m)[0] == 8
+  with open(path) as f:
+    assert json.load(f)[digest] == {
         '8': {'micro_batches': 16, 'seconds': {}},
-        '4': {'micro_batches': 8, 'seconds': {'4': 0.25, '8': 0.125}}}}
+        '4': {'micro_batches': 8, 'seconds': {'4': 0.25, '8': 0.125}}}
+  for content in ('null', '[1]', '"x"', '{"%s": {"8": {"micro_batches": "16"}}}' % digest):
+    with open(path, 'w') as f:
+      f.write(content)
+    profile = autopipe.MicroBatchProfile(path, key, {'devices': 8})
+    assert profile.get(8) is None
+    assert profile.choose(8, [8, 16], lambda m: 1.0 / m)[0] == 16  # measured and saved
+    with open(path) as f:
+      assert json.load(f)[digest]['8']['micro_batches'] == 16
 
 
 def test_partition_rejects_bad_frozen_count():
