@@ -326,10 +326,11 @@ def profiled_choices(path: str, model: dict[str, Any], devices: int,
       data = json.load(f)
   except (OSError, ValueError) as e:
     raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
-  described = data.get(ABOUT) if isinstance(data, dict) else None
+  if not isinstance(data, dict):
+    raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
+  described = data.get(ABOUT)
   if not isinstance(described, dict):
-    raise ValueError(f'{path} holds no described runs (a micro-batch profile written by '
-                     f'pipejax.trainer holds them under "{ABOUT}")')
+    return []  # none described yet: a training run describes its record when it opens it
   found = []
   for key, about in described.items():
     if not isinstance(about, dict) or not isinstance(about.get('hf_config'), dict):

@@ -45,8 +45,9 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
   batch = '' if batch_size is None else f', global batch {batch_size}'
   chosen = {choices[k] for _, choices in runs}
   if not chosen:
-    return k, (f'default (K; {profile} holds no choice for K={k} of {model_name} on '
-               f'{devices} devices{batch})')
+    return k, (f'default (K; {profile} holds no described choice for K={k} of {model_name} '
+               f'on {devices} devices{batch}; a training run describes the choices it finds '
+               f'when it opens the file)')
   if len(chosen) > 1:
     differ = {f: sorted({str(about.get(f)) for about, _ in runs})
               for f in ('batch', 'batch_mode', 'platform', 'schedule', 'exchange')}

@@ -227,7 +227,14 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   assert plan['micro_batches'] == 16 and plan['micro_batches_source'].startswith('profile ')
   # No choice for K = 4 (an initial pipeline of 4): K itself, saying why.
   plan = json.loads(_plan_cli('--profile', path, '--initial-pipeline-length', '4').stdout)
-  assert plan['micro_batches'] == 4 and 'holds no choice for K=4' in plan['micro_batches_source']
+  assert plan['micro_batches'] == 4 and 'no described choice for K=4' in plan[
+      'micro_batches_source']
+  # A profile without descriptions yet (written before them): K, not an error.
+  undescribed = str(tmp_path / 'old.json')
+  with open(undescribed, 'w') as f:
+    json.dump({'abc': {'8': {'micro_batches': 16, 'seconds': {}}}}, f)
+  out = _plan_cli('--profile', undescribed)
+  assert out.returncode == 0 and json.loads(out.stdout)['micro_batches'] == 8
   # Two runs of the model that chose differently: the global batch decides.
   remember(vit_b16, 'vit, batch 128', 8, 128, 8, 24)
   out = _plan_cli('--profile', path)
