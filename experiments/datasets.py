@@ -96,6 +96,19 @@ def imagenet_missing(data_dir: str | None, name: str = 'imagenet2012') -> str | 
   return f'no prepared {name} in {root}'
 
 
+def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
+  """``tfds.data_source`` of a prepared data set; :class:`DatasetMissing`
+  (one line, with the command that prepares it) when it is not prepared."""
+  try:
+    with runtime.absl_errors_only():  # TFDS warns about each folder it probes
+      return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
+  except Exception as e:  # tfds raises several types for "not prepared"
+    raise DatasetMissing(
+        f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
+        f'({type(e).__name__}); prepare it with: tfds build {name} '
+        f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
+
+
 def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') -> Dataset:
   """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`."""
   try:
@@ -103,16 +116,8 @@ def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') 
   except ImportError as e:
     raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed '
                          f'({e}); pip install -r requirements.txt') from e
-  try:
-    with runtime.absl_errors_only():  # TFDS warns about each folder it probes
-      train = tfds.data_source(name, split='train', data_dir=data_dir or None, download=False)
-      evaluation = tfds.data_source(name, split='validation', data_dir=data_dir or None,
-                                    download=False)
-  except Exception as e:  # tfds raises several types for "not prepared"
-    raise DatasetMissing(
-        f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
-        f'({type(e).__name__}); prepare it with: tfds build {name} '
-        f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
+  train = tfds_data_source(tfds, name, 'train', data_dir)
+  evaluation = tfds_data_source(tfds, name, 'validation', data_dir)
   transform = _imagenet_transform(image_size)
   return Dataset(name, TfdsSource(train, transform), TfdsSource(evaluation, transform),
                  num_classes=1000, image_size=image_size, channels=3)

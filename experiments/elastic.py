@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import json
 import os
 import sys
@@ -164,14 +163,14 @@ def _fresh_workdir(task: str) -> str:
   never resumes or overwrites another one."""
   base = os.path.join('runs', f'{task}-{datetime.datetime.now().strftime("%Y%m%d-%H%M%S")}')
   os.makedirs('runs', exist_ok=True)
-  for n in itertools.count(1):
-    path = base if n == 1 else f'{base}-{n}'
+  path, n = base, 1
+  while True:
     try:
       os.mkdir(path)  # atomic: two runs cannot both create it
       return path
     except FileExistsError:
-      continue
-  raise AssertionError('unreachable')
+      n += 1
+      path = f'{base}-{n}'
 
 
 def _pretrained(kind: str, path: str, num_labels: int) -> models.Created:

@@ -18,8 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments.datasets import DatasetMissing
-from pipejax import runtime
+from experiments.datasets import DatasetMissing, tfds_data_source
 from pipejax.data import ArraySource
 
 
@@ -113,14 +112,7 @@ def _data_source(name: str, split: str, data_dir: str, builder_module: str):
   # Without TensorFlow tfds imports its builder packages lazily; the builder
   # class registers itself (and its config names) only once imported.
   importlib.import_module(builder_module)
-  try:
-    with runtime.absl_errors_only():  # "no dataset_info.json" is our one line
-      return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
-  except Exception as e:  # tfds raises several types for "not prepared"
-    raise DatasetMissing(
-        f'{name} is not prepared for TFDS in {data_dir or "the default data dir"} '
-        f'({type(e).__name__}); prepare it with: tfds build {name} '
-        f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
+  return tfds_data_source(tfds, name, split, data_dir)
 
 
 def _text(value) -> str:

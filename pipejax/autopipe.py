@@ -232,7 +232,7 @@ class MicroBatchProfile:
     self.path = path
     self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     self.about = about or {}
-    data = _read(path) if path and os.path.exists(path) else {}
+    data = _read(path) if path else {}
     self.entries: dict[str, Any] = _choices(data.get(self.key))  # corrupt: re-measured
     described = data.get(ABOUT)
     if self.entries and self.about and (
@@ -264,7 +264,7 @@ class MicroBatchProfile:
       return
     try:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      data = _read(self.path) if os.path.exists(self.path) else {}
+      data = _read(self.path)
       data[self.key] = self.entries
       if self.about:
         if not isinstance(data.get(ABOUT), dict):
@@ -282,14 +282,28 @@ class MicroBatchProfile:
 ABOUT = 'about'  # the profile file's key of the runs' descriptions
 
 
-def _read(path: str) -> dict[str, Any]:
-  """The profile file as a dict; ``{}`` when it is unreadable or not one."""
+def _load(path: str) -> dict[str, Any]:
+  """The profile file as a dict.
+
+  Raises:
+    ValueError: it cannot be read or is not a JSON object.
+  """
   try:
     with open(path, encoding='utf-8') as f:
       data = json.load(f)
-  except (OSError, ValueError):
+  except (OSError, ValueError) as e:
+    raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
+  if not isinstance(data, dict):
+    raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
+  return data
+
+
+def _read(path: str) -> dict[str, Any]:
+  """:func:`_load`, with ``{}`` for a missing, unreadable or foreign file."""
+  try:
+    return _load(path)
+  except ValueError:
     return {}
-  return data if isinstance(data, dict) else {}
 
 
 def _choices(record: Any) -> dict[str, Any]:
@@ -321,13 +335,7 @@ def profiled_choices(path: str, model: dict[str, Any], devices: int,
   Raises:
     ValueError: the file cannot be read or is not a profile.
   """
-  try:
-    with open(path, encoding='utf-8') as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
-    raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
-  if not isinstance(data, dict):
-    raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
+  data = _load(path)
   described = data.get(ABOUT)
   if not isinstance(described, dict):
     return []  # none described yet: a training run describes its record when it opens it

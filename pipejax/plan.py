@@ -24,12 +24,11 @@ from pipejax import runtime
 
 
 def _unit_name(unit: int, num_layers: int) -> str:
-  if unit == 0:
-    return 'embed'
-  if unit == 2 * num_layers + 1:
-    return 'head'
-  layer, kind = divmod(unit - 1, 2)
-  return f'{"attn" if kind == 0 else "mlp"}.{layer}'
+  from pipejax.partition import unit_block  # noqa: PLC0415 - imports JAX (after setup)
+  layer = unit_block(unit, num_layers)
+  if layer is None:
+    return 'embed' if unit == 0 else 'head'
+  return f'{"mlp" if unit % 2 == 0 else "attn"}.{layer}'
 
 
 def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
@@ -49,10 +48,11 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
                f'on {devices} devices{batch}; a training run describes the choices it finds '
                f'when it opens the file)')
   if len(chosen) > 1:
-    differ = {f: sorted({str(about.get(f)) for about, _ in runs})
+    values = {f: sorted({str(about.get(f)) for about, _ in runs})
               for f in ('batch', 'batch_mode', 'platform', 'schedule', 'exchange')}
-    differ = ', '.join(f'{f} {v}' for f, v in differ.items() if len(v) > 1) or 'nothing listed'
-    hint = '; pass --batch-size' if batch_size is None and 'batch [' in differ else ''
+    varying = {f: v for f, v in values.items() if len(v) > 1}
+    differ = ', '.join(f'{f} {v}' for f, v in varying.items()) or 'nothing listed'
+    hint = '; pass --batch-size' if 'batch' in varying else ''
     raise ValueError(f'{profile} holds runs of {model_name} on {devices} devices that chose '
                      f'different M for K={k} (they differ in: {differ}){hint}')
   return chosen.pop(), f'profile {profile} ({len(runs)} run{"s" * (len(runs) > 1)}{batch})'

@@ -239,16 +239,14 @@ class Trainer:
                                make_cache(config, model, train_loader.source, params, workdir,
                                           log, own_ids=train_loader.ids), c.cache.policy, log,
                                programs=self.programs)
-    self.profile = autopipe.MicroBatchProfile(
-        c.pipeline.profile_path or None,
-        {'model': repr(model.hf_config.to_dict()), 'batch': c.train.batch_size,
-         'batch_mode': c.train.batch_mode, 'devices': self.num_devices,
-         'platform': self.devices[0].platform, 'schedule': c.pipeline.schedule,
-         'exchange': self.pipe.exchange},
-        autopipe.profile_about(model.hf_config, devices=self.num_devices,
-                               batch=c.train.batch_size, batch_mode=c.train.batch_mode,
-                               platform=self.devices[0].platform, schedule=c.pipeline.schedule,
-                               exchange=self.pipe.exchange))
+    about = autopipe.profile_about(model.hf_config, devices=self.num_devices,
+                                   batch=c.train.batch_size, batch_mode=c.train.batch_mode,
+                                   platform=self.devices[0].platform,
+                                   schedule=c.pipeline.schedule, exchange=self.pipe.exchange)
+    # The key (hashed) is the description with the HF config as its repr.
+    key = {'model': repr(model.hf_config.to_dict()),
+           **{k: v for k, v in about.items() if k != 'hf_config'}}
+    self.profile = autopipe.MicroBatchProfile(c.pipeline.profile_path or None, key, about)
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval: dict[tuple, concurrent.futures.Future] = {}  # compiled evaluation forwards
