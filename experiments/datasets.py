@@ -96,6 +96,17 @@ def imagenet_missing(data_dir: str | None, name: str = 'imagenet2012') -> str | 
   return f'no prepared {name} in {root}'
 
 
+def import_tfds(name: str):
+  """The ``tensorflow_datasets`` module; :class:`DatasetMissing` (one line)
+  when it is not installed, since ``name`` cannot be read without it."""
+  try:
+    import tensorflow_datasets as tfds  # noqa: PLC0415
+  except ImportError as e:
+    raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed '
+                         f'({e}); pip install -r requirements.txt') from e
+  return tfds
+
+
 def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
   """``tfds.data_source`` of a prepared data set; :class:`DatasetMissing`
   (one line, with the command that prepares it) when it is not prepared."""
@@ -111,11 +122,7 @@ def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
 
 def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') -> Dataset:
   """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`."""
-  try:
-    import tensorflow_datasets as tfds  # noqa: PLC0415
-  except ImportError as e:
-    raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed '
-                         f'({e}); pip install -r requirements.txt') from e
+  tfds = import_tfds(name)
   train = tfds_data_source(tfds, name, 'train', data_dir)
   evaluation = tfds_data_source(tfds, name, 'validation', data_dir)
   transform = _imagenet_transform(image_size)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments.datasets import DatasetMissing, tfds_data_source
+from experiments.datasets import DatasetMissing, import_tfds, tfds_data_source
 from pipejax.data import ArraySource
 
 
@@ -104,11 +104,7 @@ def load_tokenizer(path: str):
 
 def _data_source(name: str, split: str, data_dir: str, builder_module: str):
   """``tfds.data_source(name, split)`` without downloading; DatasetMissing if absent."""
-  try:
-    import tensorflow_datasets as tfds  # noqa: PLC0415
-  except ImportError as e:
-    raise DatasetMissing(f'{name} needs tensorflow-datasets, which is not installed ({e}); '
-                         f'pip install -r requirements.txt') from e
+  tfds = import_tfds(name)
   # Without TensorFlow tfds imports its builder packages lazily; the builder
   # class registers itself (and its config names) only once imported.
   importlib.import_module(builder_module)

@@ -111,6 +111,21 @@ def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
   assert datasets.imagenet_missing(str(tmp_path / 'data 1')) is not None
 
 
+def test_a_missing_tensorflow_datasets_is_one_data_set_error(tmp_path, monkeypatch):
+  """ImageNet and the GLUE/SQuAD sources say the same one line when the
+  ``tensorflow_datasets`` package is absent (``None`` in ``sys.modules``
+  makes its import fail)."""
+  from experiments import text_data  # noqa: PLC0415
+  monkeypatch.setitem(sys.modules, 'tensorflow_datasets', None)
+  for read, name in ((lambda: datasets.imagenet(str(tmp_path), 32), 'imagenet2012'),
+                     (lambda: text_data.glue('sst2', None, 16, str(tmp_path)), 'glue/sst2')):
+    with pytest.raises(datasets.DatasetMissing) as e:
+      read()
+    assert str(e.value).startswith(f'{name} needs tensorflow-datasets, which is not installed')
+    assert str(e.value).endswith('pip install -r requirements.txt')
+    assert '\n' not in str(e.value)
+
+
 def test_imagenet_path_on_mock_tfds(tmp_path):
   tfds = pytest.importorskip('tensorflow_datasets')
   config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
@@ -233,3 +248,4 @@ def test_runs_without_a_workdir_get_a_folder_each_even_in_the_same_second(tmp_pa
   assert first == os.path.join('runs', 'vit-20261127-120000')
   assert (second, third) == (first + '-2', first + '-3')
   assert all(os.path.isdir(p) and not os.listdir(p) for p in (first, second, third))
+
