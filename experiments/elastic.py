@@ -298,6 +298,9 @@ def run(config, workdir: str | None, task: str,
   distributed.initialize(config, _log)  # before any JAX computation
   devices_available = len(jax.devices())
   check_config(config, devices_available)
+  if not workdir and jax.process_count() > 1:  # before the data and the model load
+    raise ConfigError('a run of several processes needs --workdir (the same folder for '
+                      'every process)')
   devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
   if jax.process_count() > 1 and data.evaluator is not None:
@@ -309,9 +312,6 @@ def run(config, workdir: str | None, task: str,
     raise ConfigError(f'freeze.min_active_layers={config.freeze.min_active_layers} exceeds the '
                       f'{model.num_layers} layers')
   if not workdir:
-    if jax.process_count() > 1:
-      raise ConfigError('a run of several processes needs --workdir (the same folder for '
-                        'every process)')
     workdir = _fresh_workdir(task)
   os.makedirs(workdir, exist_ok=True)
   ident = resume.identity(config, model.hf_config.to_dict())

@@ -249,3 +249,18 @@ def test_runs_without_a_workdir_get_a_folder_each_even_in_the_same_second(tmp_pa
   assert (second, third) == (first + '-2', first + '-3')
   assert all(os.path.isdir(p) and not os.listdir(p) for p in (first, second, third))
 
+
+def test_several_processes_without_a_workdir_stop_before_the_data_loads(tmp_path, monkeypatch):
+  """Each process would make its own ``runs/`` folder: the config error comes
+  before the data set and the model are read (both poisoned here)."""
+  config = _config(tmp_path, **{'pipeline.micro_batches': 8})
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+
+  def poisoned(*args, **kwargs):
+    raise AssertionError('loaded before the workdir check')
+  monkeypatch.setattr(elastic, 'resolve_data', poisoned)
+  monkeypatch.setattr(elastic, 'resolve_model', poisoned)
+  with pytest.raises(elastic.ConfigError, match='several processes needs --workdir'):
+    elastic.run(config, None, 'vit')
+  assert not os.path.exists(tmp_path / 'runs')
