@@ -325,12 +325,36 @@ def profile_about(hf_config: Any, *, devices: int, batch: int, batch_mode: str,
           'platform': platform, 'schedule': schedule, 'exchange': exchange}
 
 
+def profile_differences(about: dict[str, Any], model: dict[str, Any], devices: int,
+                        batch: int | None = None) -> list[str]:
+  """How a described run (``about``) differs from ``model``'s fields, the
+  device count and, when given, the global batch, e.g. ``['num_labels 10
+  (not 1000)']``; empty when it matches."""
+  config = about.get('hf_config')
+  config = config if isinstance(config, dict) else {}
+  run = {k: config.get(k) for k in model} | {'devices': about.get('devices')}
+  wanted = dict(model, devices=devices)
+  if batch is not None:
+    run['batch'], wanted['batch'] = about.get('batch'), batch
+  return [f'{k} {run[k]!r} (not {v!r})' for k, v in wanted.items() if run[k] != v]
+
+
 def profiled_choices(path: str, model: dict[str, Any], devices: int,
                      batch: int | None = None) -> list[tuple[dict[str, Any], dict[int, int]]]:
   """The described runs in the profile at ``path`` whose model has every
   field of ``model`` (e.g. a preset's ``model_type``, sizes and classes) and
   that ran on ``devices`` devices (with ``train.batch_size`` = ``batch``, when
-  given): a list of ``(about, {K: M})``.
+  given): a list of ``(about, {K: M})``. :func:`described_runs` gives them all.
+
+  Raises:
+    ValueError: the file cannot be read or is not a profile.
+  """
+  return [(about, choices) for about, choices in described_runs(path)
+          if not profile_differences(about, model, devices, batch)]
+
+
+def described_runs(path: str) -> list[tuple[dict[str, Any], dict[int, int]]]:
+  """Every described run in the profile at ``path``: ``(about, {K: M})``.
 
   Raises:
     ValueError: the file cannot be read or is not a profile.
@@ -339,14 +363,6 @@ def profiled_choices(path: str, model: dict[str, Any], devices: int,
   described = data.get(ABOUT)
   if not isinstance(described, dict):
     return []  # none described yet: a training run describes its record when it opens it
-  found = []
-  for key, about in described.items():
-    if not isinstance(about, dict) or not isinstance(about.get('hf_config'), dict):
-      continue
-    config = about['hf_config']
-    if about.get('devices') != devices or any(config.get(k) != v for k, v in model.items()):
-      continue
-    if batch is not None and about.get('batch') != batch:
-      continue
-    found.append((about, {int(k): v['micro_batches'] for k, v in _choices(data.get(key)).items()}))
-  return found
+  return [(about, {int(k): v['micro_batches'] for k, v in _choices(data.get(key)).items()})
+          for key, about in described.items()
+          if isinstance(about, dict) and isinstance(about.get('hf_config'), dict)]

@@ -39,14 +39,16 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
     return k, 'default (K; profiling happens at training time)'
   from pipejax import autopipe  # noqa: PLC0415
   profile = os.path.expanduser(profile)
-  runs = [(about, choices) for about, choices in autopipe.profiled_choices(
-      profile, model, devices, batch_size) if k in choices]
+  described = autopipe.described_runs(profile)
+  matching = [(about, choices) for about, choices in described
+              if not autopipe.profile_differences(about, model, devices, batch_size)]
+  runs = [(about, choices) for about, choices in matching if k in choices]
   batch = '' if batch_size is None else f', global batch {batch_size}'
   chosen = {choices[k] for _, choices in runs}
   if not chosen:
+    why = _nearest(described, matching, model, devices, batch_size)
     return k, (f'default (K; {profile} holds no described choice for K={k} of {model_name} '
-               f'on {devices} devices{batch}; a training run describes the choices it finds '
-               f'when it opens the file)')
+               f'on {devices} devices{batch}: {why})')
   if len(chosen) > 1:
     values = {f: sorted({str(about.get(f)) for about, _ in runs})
               for f in ('batch', 'batch_mode', 'platform', 'schedule', 'exchange')}
@@ -56,6 +58,24 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
     raise ValueError(f'{profile} holds runs of {model_name} on {devices} devices that chose '
                      f'different M for K={k} (they differ in: {differ}){hint}')
   return chosen.pop(), f'profile {profile} ({len(runs)} run{"s" * (len(runs) > 1)}{batch})'
+
+
+def _nearest(described: list, matching: list, model: dict, devices: int,
+             batch_size: int | None) -> str:
+  """Why no described run gives M: what the matching runs chose, or how the
+  closest other run differs."""
+  from pipejax import autopipe  # noqa: PLC0415
+  if matching:
+    ks = sorted({k for _, choices in matching for k in choices})
+    return f'its matching runs chose M for K in {ks} only'
+  if not described:
+    return ('no run is described yet; a training run describes the choices it finds when it '
+            'opens the file')
+  differences = min((autopipe.profile_differences(about, model, devices, batch_size)
+                     for about, _ in described), key=len)
+  runs = 'its one described run' if len(described) == 1 else (
+      f'the closest of its {len(described)} described runs')
+  return f'{runs} differs in {", ".join(differences)}'
 
 
 def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,

@@ -227,14 +227,28 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   assert plan['micro_batches'] == 16 and plan['micro_batches_source'].startswith('profile ')
   # No choice for K = 4 (an initial pipeline of 4): K itself, saying why.
   plan = json.loads(_plan_cli('--profile', path, '--initial-pipeline-length', '4').stdout)
-  assert plan['micro_batches'] == 4 and 'no described choice for K=4' in plan[
-      'micro_batches_source']
+  assert plan['micro_batches'] == 4 and plan['micro_batches_source'].endswith(
+      'no described choice for K=4 of vit-b16 on 8 devices: its matching runs chose M for '
+      'K in [8] only)')
+  # No run of this device count: K, naming how the closest run differs.
+  out = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
+                        '--devices', '2', '--profile', path], capture_output=True, text=True,
+                       check=True)
+  source = json.loads(out.stdout)['micro_batches_source']
+  assert 'the closest of its 3 described runs differs in devices ' in source
+  assert source.endswith(' (not 2))') and 'model_type' not in source
+  assert autopipe.profile_differences(
+      autopipe.profile_about(bert, devices=8, batch=64, batch_mode='global', platform='cpu',
+                             schedule='1f1b', exchange='all_gather'),
+      {'model_type': 'vit', 'hidden_size': 768}, 4, 64) == [
+          "model_type 'bert' (not 'vit')", 'devices 8 (not 4)']
   # A profile without descriptions yet (written before them): K, not an error.
   undescribed = str(tmp_path / 'old.json')
   with open(undescribed, 'w') as f:
     json.dump({'abc': {'8': {'micro_batches': 16, 'seconds': {}}}}, f)
   out = _plan_cli('--profile', undescribed)
   assert out.returncode == 0 and json.loads(out.stdout)['micro_batches'] == 8
+  assert 'no run is described yet' in json.loads(out.stdout)['micro_batches_source']
   # Two runs of the model that chose differently: the global batch decides.
   remember(vit_b16, 'vit, batch 128', 8, 128, 8, 24)
   out = _plan_cli('--profile', path)
