@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from experiments import elastic, vit_imagenet  # noqa: E402
 from pipejax import reporting  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
-from pipejax.trainer import optimizer_for  # noqa: E402
+from pipejax.trainer import EVAL_BATCH_FACTOR, optimizer_for  # noqa: E402
 
 
 def run(config, workdir: str) -> dict:
@@ -46,10 +46,14 @@ def run(config, workdir: str) -> dict:
   if config.train.batch_size % len(devices):
     raise elastic.ConfigError(f'train.batch_size={config.train.batch_size} does not split over '
                               f'the {len(devices)} devices')
+  # Evaluation in the main job's batches (train.eval_batch_size, or 4 x the batch).
+  eval_batch = config.train.eval_batch_size or EVAL_BATCH_FACTOR * config.train.batch_size
+  if eval_batch % len(devices):
+    raise elastic.ConfigError(f'train.eval_batch_size={eval_batch} does not split over the '
+                              f'{len(devices)} devices')
   cap = config.train.max_steps_per_epoch
   train = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
-  evals = Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
-                 max_steps=cap)
+  evals = Loader(data.eval, eval_batch, shuffle=False, drop_remainder=False, max_steps=cap)
   module = created.hf_class(created.model.hf_config, _do_init=False).module
   mesh = Mesh(np.array(devices), ('batch',))
   replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P('batch'))
@@ -112,7 +116,7 @@ def run(config, workdir: str) -> dict:
   rows = metrics_log.rows
   summary = {'mode': 'plain_dp', 'task': 'vit', 'data': data.name, 'config': config.to_dict(),
              'devices': len(devices), 'platform': devices[0].platform,
-             'num_layers': created.model.num_layers,
+             'num_layers': created.model.num_layers, 'eval_batch_size': eval_batch,
              'total_seconds': time.perf_counter() - start,
              'train_seconds': time.perf_counter() - run_start,
              'final_eval_accuracy': rows[-1]['eval_accuracy'],

@@ -1,5 +1,6 @@
 """The paper's performance analysis, side by side on this machine:
-``python -m experiments.reproduce --workdir DIR [--only NAME[,NAME]] [--config...]``.
+``python -m experiments.reproduce --workdir DIR [--only NAME[,NAME]] [--config FILE]
+[--config.KEY=VALUE ...]``.
 
 Parts (each writes ``DIR/<part>.json`` and ``DIR/<part>.png``):
 
@@ -16,13 +17,16 @@ Parts (each writes ``DIR/<part>.json`` and ``DIR/<part>.png``):
   (those that divide a replica's batch) at every pipeline length the freeze
   schedule reaches.
 * ``transitions`` (Table 4) — the ``full`` run's transitions: compile wait,
-  reshard, cache, first-step warm-up, micro-batch search and total seconds.
+  reshard, cache and total seconds (the transition itself), and beside them
+  the next epoch's first-step warm-up and micro-batch search.
 * ``table1`` (Table 1) — ``baseline`` and ``full`` over seeds 0, 1, 2:
   accuracy and time, mean ± std.
 
 Every run is a fresh process on the same machine, one after the other, with
 the main job's config (``experiments.vit_imagenet``: the embedded default
-unless ``--config``/overrides say otherwise, passed to every run) and
+unless ``--config``/overrides say otherwise, passed to every run; an override
+of what a part varies, ``freeze.alpha`` with ``alpha`` or ``seed`` with
+``table1``, is refused) and
 checkpoints off (``plain_dp`` writes none). Runs that parts share (e.g. the
 seed-0 ``full`` run) run once. ``--compile-cache warm`` (default) gives the
 runs a persistent compilation cache, program store and M-profile in DIR, filled by one
@@ -35,9 +39,10 @@ Reported times are end to end inside the process (``total_seconds``: data,
 model, compiling, training, transitions, evaluation after every epoch; not
 the Python imports). ``flop_limit_speedup`` is what the run's freeze schedule
 allows: per sample, a trained block costs 4 units (forward, recomputed
-forward, backward), a frozen block 1 (its forward), a frozen block served by
-the cache 0 (the cache's own layer passes are counted); the baseline trains
-all blocks. ``efficiency`` = measured speed-up / that limit.
+forward, backward; 3 in ``plain_dp``, which does not recompute), a frozen
+block 1 (its forward), a frozen block served by the cache 0 (the cache's own
+layer passes are counted); the baseline trains all blocks. ``efficiency`` =
+measured speed-up / that limit.
 """
 from __future__ import annotations
 
@@ -125,12 +130,13 @@ class Runner:
 
 # -- figures of merit ---------------------------------------------------------------
 def samples_trained(summary: dict, rows: list[dict]) -> list[int]:
-  """Samples trained in each epoch (steps × global batch)."""
+  """Samples trained in each epoch (steps × global batch; ``plain_dp``'s global
+  batch is ``train.batch_size`` in either batch mode)."""
   train = summary['config']['train']
+  per_pipeline = train['batch_mode'] == 'per_pipeline' and summary['mode'] != 'plain_dp'
   out, step = [], 0
   for row in rows:
-    per_step = train['batch_size'] * (row['replicas'] if train['batch_mode'] == 'per_pipeline'
-                                      else 1)
+    per_step = train['batch_size'] * (row['replicas'] if per_pipeline else 1)
     out.append((row['step'] - step) * per_step)
     step = row['step']
   return out
@@ -139,6 +145,7 @@ def samples_trained(summary: dict, rows: list[dict]) -> list[int]:
 def flop_limit_speedup(summary: dict, rows: list[dict]) -> float:
   """Baseline block work / this run's (see the module docstring)."""
   blocks = summary['num_layers']
+  trained = 3 if summary['mode'] == 'plain_dp' else 4  # plain_dp does not recompute
   samples = samples_trained(summary, rows)
   passes_before = 0
   baseline = work = 0.0
@@ -148,7 +155,7 @@ def flop_limit_speedup(summary: dict, rows: list[dict]) -> float:
     frozen_work = (passes - passes_before) if row.get('cache') else frozen * n
     passes_before = passes
     baseline += 4 * blocks * n
-    work += 4 * (blocks - frozen) * n + frozen_work
+    work += trained * (blocks - frozen) * n + frozen_work
   return baseline / work if work else 1.0
 
 
@@ -194,10 +201,10 @@ def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
 
 def _write(workdir: str, name: str, payload: dict) -> None:
   with open(os.path.join(workdir, f'{name}.json'), 'w') as f:
-    json.dump({'command': ' '.join(sys.argv), 'machine': _machine(), **payload}, f, indent=2)
+    json.dump({'command': ' '.join(sys.argv), 'machine': machine(), **payload}, f, indent=2)
 
 
-def _machine() -> str:
+def machine() -> str:
   import platform  # noqa: PLC0415
   return f'{platform.node()}: {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}'
 
@@ -270,7 +277,8 @@ def alpha(runner: Runner, workdir: str) -> dict:
     extra = [] if a == 1 / 3 else [f'--config.freeze.alpha={a}']
     r = runner.variant('full', extra) if not extra else runner.run(
         f'full-alpha{a:g}', MAIN, BREAKDOWN['full'][1] + extra)
-    rows.append({'alpha': a, **describe_run(r, base)})
+    # The α the run had (a --config file may set another than the label).
+    rows.append({'alpha': r['summary']['config']['freeze']['alpha'], **describe_run(r, base)})
   print('\nalpha (paper Fig. 10a)')
   _table(rows, [('alpha', 'alpha', '.3f'), ('total_seconds', 'total s', '.1f'),
                 ('speedup', 'speed-up', '.2f'), ('flop_limit_speedup', 'FLOP limit', '.2f'),
@@ -358,7 +366,8 @@ def table1(runner: Runner, workdir: str) -> dict:
   for name, results in runs.items():
     acc = stats([r['summary']['final_eval_accuracy'] for r in results])
     secs = stats([r['summary']['total_seconds'] for r in results])
-    rows.append({'variant': name, 'seeds': list(SEEDS), 'accuracy': acc, 'total_seconds': secs})
+    seeds = [r['summary']['config']['seed'] for r in results]  # those the runs had
+    rows.append({'variant': name, 'seeds': seeds, 'accuracy': acc, 'total_seconds': secs})
   speedups = [b['summary']['total_seconds'] / f['summary']['total_seconds']
               for b, f in zip(runs['baseline'], runs['full'])]
   print('\ntable1 (paper Table 1): mean ± std over seeds', list(SEEDS))
@@ -401,7 +410,8 @@ def microbatches(runner: Runner, workdir: str) -> dict:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__.split('\n\n')[0],
-      epilog='Other arguments (--config=FILE, --config.KEY=VALUE) go to every run.')
+      epilog='Other arguments (--config FILE or --config=FILE, --config.KEY=VALUE) go to '
+             'every run.')
   parser.add_argument('--workdir', required=True)
   parser.add_argument('--only', default=','.join(PARTS),
                       help=f'comma-separated parts to run, of {", ".join(PARTS)}')
@@ -410,6 +420,11 @@ def main(argv=None) -> int:
                            'configuration; shared: the same without those runs; cold: none')
   parser.add_argument('--variants', default=','.join(BREAKDOWN),
                       help='comma-separated breakdown variants (baseline is always run)')
+  argv = list(sys.argv[1:] if argv is None else argv)
+  for i, arg in enumerate(argv[:-1]):  # --config FILE, as the main job takes it
+    if arg == '--config':
+      argv[i:i + 2] = [f'--config={argv[i + 1]}']
+      break
   args, passthrough = parser.parse_known_args(argv)
   only = [p.strip() for p in args.only.split(',') if p.strip()]
   unknown = [p for p in only if p not in PARTS]
@@ -427,6 +442,13 @@ def main(argv=None) -> int:
   if bad:
     print(f'error: unexpected arguments {bad} (only --config and --config.KEY=VALUE pass '
           f'through)', file=sys.stderr)
+    return 2
+  varied = {'alpha': '--config.freeze.alpha', 'table1': '--config.seed'}
+  clash = [f'{flag} (the {part} part sets it)' for part, flag in varied.items()
+           if part in only and any(a.split('=')[0] == flag for a in passthrough)]
+  if clash:
+    print(f'error: {", ".join(clash)}; leave it out or run the other parts alone',
+          file=sys.stderr)
     return 2
   if os.path.isdir(args.workdir) and os.listdir(args.workdir):
     print(f'error: {args.workdir} is not empty; choose a fresh --workdir', file=sys.stderr)

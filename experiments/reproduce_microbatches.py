@@ -26,7 +26,7 @@ runtime.setup(8)
 # pylint: disable=wrong-import-position
 import jax  # noqa: E402
 
-from experiments import elastic, vit_imagenet  # noqa: E402
+from experiments import elastic, reproduce, vit_imagenet  # noqa: E402
 from pipejax import freeze  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
@@ -73,7 +73,7 @@ def sweep(config, workdir: str) -> dict:
                     devices=jax.devices()[:config.pipeline.devices], log=lambda _: None)
   lengths = pipeline_lengths(trainer, config, created.model.num_layers)
   batches = list(loader.epoch(0))[:STEPS]
-  rows = []
+  rows, skipped_by_k = [], {}
   for k, (f, partition) in sorted(lengths.items(), reverse=True):
     base = trainer._plan(partition, k)  # noqa: SLF001
     trainer.plan = base
@@ -81,6 +81,7 @@ def sweep(config, workdir: str) -> dict:
     per_replica = trainer.batch_size(base) // base.replicas
     candidates = [m * k for m in range(1, 7) if per_replica % (m * k) == 0] or [1]
     skipped = [m * k for m in range(1, 7) if per_replica % (m * k)]
+    skipped_by_k[str(k)] = skipped  # M that do not divide a replica's batch
     plans = {m: dataclasses.replace(base, micro_batches=m) for m in candidates}
     ids0, batch0 = batches[0]
     fns = {m: trainer._train_step(p, trainer._feed(ids0, batch0, p))  # noqa: SLF001
@@ -106,8 +107,9 @@ def sweep(config, workdir: str) -> dict:
         f'M={m} {batch / best[m]:.0f}/s' for m in candidates) + f' -> fastest M={fastest}'
         + (f' (M={skipped} do not divide the {per_replica} samples per replica)'
            if skipped else ''), flush=True)
-  out = {'command': ' '.join(sys.argv), 'rounds': ROUNDS, 'steps_per_round': STEPS,
-         'lengths': {str(k): f for k, (f, _) in lengths.items()}, 'rows': rows}
+  out = {'command': ' '.join(sys.argv), 'machine': reproduce.machine(), 'rounds': ROUNDS,
+         'steps_per_round': STEPS, 'lengths': {str(k): f for k, (f, _) in lengths.items()},
+         'skipped': skipped_by_k, 'rows': rows}
   with open(os.path.join(workdir, 'microbatches.json'), 'w') as fh:
     json.dump(out, fh, indent=2)
   _plot(workdir, rows)

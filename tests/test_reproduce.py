@@ -11,10 +11,11 @@ from tests import fixtures
 
 
 def _summary(num_layers=4, batch=8, mode='constant', total=10.0, train=8.0, accuracy=0.9,
-             transitions=(), timings=None):
-  return {'num_layers': num_layers, 'total_seconds': total, 'train_seconds': train,
-          'final_eval_accuracy': accuracy,
-          'config': {'train': {'batch_size': batch, 'batch_mode': mode}},
+             transitions=(), timings=None, kind='elastic', alpha=1 / 3, seed=0):
+  return {'mode': kind, 'num_layers': num_layers, 'total_seconds': total,
+          'train_seconds': train, 'final_eval_accuracy': accuracy,
+          'config': {'train': {'batch_size': batch, 'batch_mode': mode},
+                     'freeze': {'alpha': alpha}, 'seed': seed},
           'transitions': list(transitions), 'micro_batch_rounds': 3,
           'micro_batch_timings': timings or {}}
 
@@ -41,6 +42,13 @@ def test_flop_limit_counts_trained_frozen_and_cached_blocks():
   expected = (16 * 80 + 16 * 160) / (16 * 80 + 10 * 160)
   assert reproduce.flop_limit_speedup(_summary(mode='per_pipeline'), grown) == pytest.approx(
       expected)
+  # plain_dp: no recomputed forward (3 units a block, against the pipeline's 4), and its
+  # global batch is train.batch_size even with per_pipeline (its R = 8 does not grow it).
+  dp = [_row(0, 0, 10, replicas=8), _row(1, 0, 20, replicas=8)]
+  assert reproduce.flop_limit_speedup(_summary(kind='plain_dp'), dp) == pytest.approx(4 / 3)
+  assert reproduce.samples_trained(_summary(kind='plain_dp', mode='per_pipeline'), dp) == [
+      80, 80]
+  assert reproduce.samples_trained(_summary(mode='per_pipeline'), dp) == [640, 640]
 
 
 def test_describe_run_speedups_and_where_time_went():
@@ -79,7 +87,8 @@ class _FakeRunner(reproduce.Runner):
         'cache_seconds': 0.2, 'total_seconds': 1.5, 'warmup_seconds': 0.05}]
     timings = {'2': {'2': 0.01, '4': 0.03}} if frozen else {}
     summary = _summary(total=total, train=total - 1, accuracy=0.9 + 0.01 * seed,
-                       transitions=transitions, timings=timings)
+                       transitions=transitions, timings=timings, alpha=alpha, seed=seed,
+                       kind='plain_dp' if module == reproduce.PLAIN else 'elastic')
     rows = [_row(0, 0, 10), _row(1, frozen, 20)]
     return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': total + 3}
 
@@ -99,6 +108,7 @@ def test_parts_on_synthetic_runs(tmp_path):
       [30 / (10 + 10 * a) for a in reproduce.ALPHAS])
   table = reproduce.table1(runner, str(tmp_path))
   full = next(r for r in table['rows'] if r['variant'] == 'full')
+  assert full['seeds'] == list(reproduce.SEEDS)
   assert full['accuracy']['mean'] == pytest.approx(0.91)
   assert full['accuracy']['std'] == pytest.approx(np.std([0.9, 0.91, 0.92], ddof=1))
   assert table['speedup']['values'] == pytest.approx(
@@ -117,11 +127,34 @@ def test_parts_on_synthetic_runs(tmp_path):
     (['--only', 'nope'], "unknown part(s) ['nope']"),
     (['--variants', 'baseline,nope'], "unknown variant(s) ['nope']"),
     (['--bogus=1'], 'unexpected arguments'),
+    (['--only', 'alpha', '--config.freeze.alpha=0.5'],
+     '--config.freeze.alpha (the alpha part sets it)'),
+    (['--only', 'breakdown,table1', '--config.seed', '3'], 'unexpected arguments'),
+    (['--only', 'breakdown,table1', '--config.seed=3'], '--config.seed (the table1 part sets it)'),
 ])
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
   assert reproduce.main(['--workdir', str(tmp_path / 'w'), *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1
+
+
+def test_config_file_and_overrides_pass_through_to_every_run(tmp_path, monkeypatch):
+  """``--config FILE`` (as the main job takes it) and ``--config=FILE`` both
+  reach the runs; an override of what no part sets is allowed."""
+  seen = []
+
+  class Stop(Exception):
+    pass
+
+  def runner(workdir, passthrough, *args):
+    seen.append(passthrough)
+    raise Stop
+  monkeypatch.setattr(reproduce, 'Runner', runner)
+  for i, argv in enumerate((['--config', 'my.py', '--config.train.epochs=2'],
+                            ['--config=my.py', '--config.train.epochs=2'])):
+    with pytest.raises(Stop):
+      reproduce.main(['--workdir', str(tmp_path / str(i)), '--only', 'breakdown', *argv])
+  assert seen == [['--config=my.py', '--config.train.epochs=2']] * 2
 
 
 def test_refuses_a_used_workdir(tmp_path, capsys):
@@ -178,6 +211,9 @@ def test_microbatch_sweep(tmp_path):
     ms = [r['micro_batches'] for r in rows]
     assert ms == sorted(ms) and all(m % k == 0 and k <= m <= 6 * k for m in ms)
     assert all(r['samples_per_second'] > 0 for r in rows)
+    assert set(out['skipped'][str(k)]).isdisjoint(ms)
+    assert sorted(out['skipped'][str(k)] + ms) == [m * k for m in range(1, 7)]
+  assert out['machine'] == reproduce.machine()
   assert os.path.getsize(tmp_path / 'microbatches.png') > 1000
 
 
@@ -195,4 +231,5 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
   np.testing.assert_allclose([r['train_loss'] for r in rows[0]],
                              [r['train_loss'] for r in rows[1]], rtol=2e-4)
   assert plain['final_eval_accuracy'] == pytest.approx(pipe['final_eval_accuracy'], abs=0.02)
+  assert plain['eval_batch_size'] == 4 * config.train.batch_size  # the main job's default
   assert rows[0][0]['train_loss'] != rows[0][-1]['train_loss']  # it trained
