@@ -46,7 +46,8 @@ def run(config, workdir: str) -> dict:
   if config.train.batch_size % len(devices):
     raise elastic.ConfigError(f'train.batch_size={config.train.batch_size} does not split over '
                               f'the {len(devices)} devices')
-  # Evaluation in the main job's batches (train.eval_batch_size, or 4 x the batch).
+  # Evaluation batches as the main job's default: train.eval_batch_size, or 4 x the global
+  # batch (the main job's starting one; they differ only with batch_mode=per_pipeline).
   eval_batch = config.train.eval_batch_size or EVAL_BATCH_FACTOR * config.train.batch_size
   if eval_batch % len(devices):
     raise elastic.ConfigError(f'train.eval_batch_size={eval_batch} does not split over the '

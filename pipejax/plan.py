@@ -67,7 +67,8 @@ def _nearest(described: list, matching: list, model: dict, devices: int,
   from pipejax import autopipe  # noqa: PLC0415
   if matching:
     ks = sorted({k for _, choices in matching for k in choices})
-    return f'its matching runs chose M for K in {ks} only'
+    return (f'its matching runs chose M for K in {ks} only' if ks else
+            'its matching runs have chosen no M yet')
   if not described:
     return ('no run is described yet; a training run describes the choices it finds when it '
             'opens the file')

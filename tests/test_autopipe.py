@@ -230,6 +230,14 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   assert plan['micro_batches'] == 4 and plan['micro_batches_source'].endswith(
       'no described choice for K=4 of vit-b16 on 8 devices: its matching runs chose M for '
       'K in [8] only)')
+  # A described run without choices (a file edited by hand): K, saying so.
+  fresh = str(tmp_path / 'fresh.json')
+  with open(fresh, 'w') as f:
+    json.dump({'k': {}, autopipe.ABOUT: {'k': autopipe.profile_about(
+        vit_b16, devices=8, batch=64, batch_mode='global', platform='cpu', schedule='1f1b',
+        exchange='all_gather')}}, f)
+  assert json.loads(_plan_cli('--profile', fresh).stdout)['micro_batches_source'].endswith(
+      'its matching runs have chosen no M yet)')
   # No run of this device count: K, naming how the closest run differs.
   out = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
                         '--devices', '2', '--profile', path], capture_output=True, text=True,

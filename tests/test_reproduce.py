@@ -71,14 +71,16 @@ def test_describe_run_speedups_and_where_time_went():
 class _FakeRunner(reproduce.Runner):
   """Synthetic runs: time falls and accuracy is fixed per variant and seed."""
 
-  def __init__(self):
+  def __init__(self, alpha=1 / 3, seed=0):
     super().__init__('/nonexistent', [], 'cold')
     self.calls = []
+    self.alpha, self.seed = alpha, seed  # what runs without an override get (the config's)
 
   def _execute(self, name, module, args):
     self.calls.append((name, module, tuple(args)))
-    seed = next((int(a.split('=')[1]) for a in args if a.startswith('--config.seed=')), 0)
-    alpha = next((float(a.split('=')[1]) for a in args if 'freeze.alpha' in a), 1 / 3)
+    seed = next((int(a.split('=')[1]) for a in args if a.startswith('--config.seed=')),
+                self.seed)
+    alpha = next((float(a.split('=')[1]) for a in args if 'freeze.alpha' in a), self.alpha)
     frozen = 0 if 'none' in ' '.join(args) or module == reproduce.PLAIN else 2
     total = 30.0 + seed if frozen == 0 else 10.0 + 10 * alpha + seed
     transitions = [] if not frozen else [{
@@ -123,6 +125,16 @@ def test_parts_on_synthetic_runs(tmp_path):
     assert os.path.getsize(tmp_path / f'{part}.png') > 1000
 
 
+def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
+  """A --config file with another α or seed: the rows say what ran, not the
+  labels of the parts."""
+  runner = _FakeRunner(alpha=0.25, seed=5)
+  alpha = reproduce.alpha(runner, str(tmp_path))
+  assert [r['alpha'] for r in alpha['rows']] == [0.1, 0.2, 0.25, 0.5]
+  table = reproduce.table1(runner, str(tmp_path))
+  assert [r['seeds'] for r in table['rows']] == [[5, 1, 2]] * 2
+
+
 @pytest.mark.parametrize('argv, message', [
     (['--only', 'nope'], "unknown part(s) ['nope']"),
     (['--variants', 'baseline,nope'], "unknown variant(s) ['nope']"),
@@ -131,6 +143,7 @@ def test_parts_on_synthetic_runs(tmp_path):
      '--config.freeze.alpha (the alpha part sets it)'),
     (['--only', 'breakdown,table1', '--config.seed', '3'], 'unexpected arguments'),
     (['--only', 'breakdown,table1', '--config.seed=3'], '--config.seed (the table1 part sets it)'),
+    (['--only', 'breakdown', '--config'], '--config needs a FILE'),
 ])
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
   assert reproduce.main(['--workdir', str(tmp_path / 'w'), *argv]) == 2
