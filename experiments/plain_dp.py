@@ -48,10 +48,8 @@ def run(config, workdir: str) -> dict:
                               f'the {len(devices)} devices')
   # Evaluation batches as the main job's default: train.eval_batch_size, or 4 x the global
   # batch (the main job's starting one; they differ only with batch_mode=per_pipeline).
+  # Both split over the devices: check_config and the batch check above see to it.
   eval_batch = config.train.eval_batch_size or EVAL_BATCH_FACTOR * config.train.batch_size
-  if eval_batch % len(devices):
-    raise elastic.ConfigError(f'train.eval_batch_size={eval_batch} does not split over the '
-                              f'{len(devices)} devices')
   cap = config.train.max_steps_per_epoch
   train = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
   evals = Loader(data.eval, eval_batch, shuffle=False, drop_remainder=False, max_steps=cap)

@@ -40,13 +40,14 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
   from pipejax import autopipe  # noqa: PLC0415
   profile = os.path.expanduser(profile)
   described = autopipe.described_runs(profile)
-  matching = [(about, choices) for about, choices in described
-              if not autopipe.profile_differences(about, model, devices, batch_size)]
+  differences = [autopipe.profile_differences(about, model, devices, batch_size)
+                 for about, _ in described]
+  matching = [run for run, differ in zip(described, differences) if not differ]
   runs = [(about, choices) for about, choices in matching if k in choices]
   batch = '' if batch_size is None else f', global batch {batch_size}'
   chosen = {choices[k] for _, choices in runs}
   if not chosen:
-    why = _nearest(described, matching, model, devices, batch_size)
+    why = _nearest(matching, differences)
     return k, (f'default (K; {profile} holds no described choice for K={k} of {model_name} '
                f'on {devices} devices{batch}: {why})')
   if len(chosen) > 1:
@@ -60,23 +61,19 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
   return chosen.pop(), f'profile {profile} ({len(runs)} run{"s" * (len(runs) > 1)}{batch})'
 
 
-def _nearest(described: list, matching: list, model: dict, devices: int,
-             batch_size: int | None) -> str:
-  """Why no described run gives M: what the matching runs chose, or how the
-  closest other run differs."""
-  from pipejax import autopipe  # noqa: PLC0415
+def _nearest(matching: list, differences: list[list[str]]) -> str:
+  """Why no described run gives M: what the ``matching`` runs chose, or how
+  the closest other run differs (``differences``: one list per described run)."""
   if matching:
     ks = sorted({k for _, choices in matching for k in choices})
     return (f'its matching runs chose M for K in {ks} only' if ks else
             'its matching runs have chosen no M yet')
-  if not described:
+  if not differences:
     return ('no run is described yet; a training run describes the choices it finds when it '
             'opens the file')
-  differences = min((autopipe.profile_differences(about, model, devices, batch_size)
-                     for about, _ in described), key=len)
-  runs = 'its one described run' if len(described) == 1 else (
-      f'the closest of its {len(described)} described runs')
-  return f'{runs} differs in {", ".join(differences)}'
+  runs = 'its one described run' if len(differences) == 1 else (
+      f'the closest of its {len(differences)} described runs')
+  return f'{runs} differs in {", ".join(min(differences, key=len))}'
 
 
 def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,

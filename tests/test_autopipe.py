@@ -208,11 +208,12 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   vit_b16 = models.config_for('vit', **models.PRESETS['vit-b16'][1])
   bert = models.config_for('bert-classification', **models.PRESETS['bert-base'][1])
 
+  def about(hf_config, devices, batch):
+    return autopipe.profile_about(hf_config, devices=devices, batch=batch, batch_mode='global',
+                                  platform='cpu', schedule='1f1b', exchange='all_gather')
+
   def remember(hf_config, key, devices, batch, k, m):
-    about = autopipe.profile_about(hf_config, devices=devices, batch=batch,
-                                   batch_mode='global', platform='cpu', schedule='1f1b',
-                                   exchange='all_gather')
-    profile = autopipe.MicroBatchProfile(path, {'run': key}, about)
+    profile = autopipe.MicroBatchProfile(path, {'run': key}, about(hf_config, devices, batch))
     assert profile.choose(k, [k, m], lambda x: 1.0 / x)[0] == m  # the larger M is faster
 
   remember(bert, 'bert', 8, 64, 8, 24)         # another model
@@ -233,9 +234,7 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   # A described run without choices (a file edited by hand): K, saying so.
   fresh = str(tmp_path / 'fresh.json')
   with open(fresh, 'w') as f:
-    json.dump({'k': {}, autopipe.ABOUT: {'k': autopipe.profile_about(
-        vit_b16, devices=8, batch=64, batch_mode='global', platform='cpu', schedule='1f1b',
-        exchange='all_gather')}}, f)
+    json.dump({'k': {}, autopipe.ABOUT: {'k': about(vit_b16, 8, 64)}}, f)
   assert json.loads(_plan_cli('--profile', fresh).stdout)['micro_batches_source'].endswith(
       'its matching runs have chosen no M yet)')
   # No run of this device count: K, naming how the closest run differs.
@@ -246,9 +245,7 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   assert 'the closest of its 3 described runs differs in devices ' in source
   assert source.endswith(' (not 2))') and 'model_type' not in source
   assert autopipe.profile_differences(
-      autopipe.profile_about(bert, devices=8, batch=64, batch_mode='global', platform='cpu',
-                             schedule='1f1b', exchange='all_gather'),
-      {'model_type': 'vit', 'hidden_size': 768}, 4, 64) == [
+      about(bert, 8, 64), {'model_type': 'vit', 'hidden_size': 768}, 4, 64) == [
           "model_type 'bert' (not 'vit')", 'devices 8 (not 4)']
   # A profile without descriptions yet (written before them): K, not an error.
   undescribed = str(tmp_path / 'old.json')
