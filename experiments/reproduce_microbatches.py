@@ -27,7 +27,7 @@ runtime.setup(8)
 import jax  # noqa: E402
 
 from experiments import elastic, reproduce, vit_imagenet  # noqa: E402
-from pipejax import freeze  # noqa: E402
+from pipejax import autopipe, freeze  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
 
@@ -79,8 +79,8 @@ def sweep(config, workdir: str) -> dict:
     trainer.plan = base
     trainer.state = trainer._init_state(created.params, base)  # noqa: SLF001
     per_replica = trainer.batch_size(base) // base.replicas
-    candidates = [m * k for m in range(1, 7) if per_replica % (m * k) == 0] or [1]
-    skipped = [m * k for m in range(1, 7) if per_replica % (m * k)]
+    candidates = autopipe.micro_batch_candidates(k, per_replica)  # what training profiles
+    skipped = [m * k for m in range(1, 7) if m * k not in candidates]
     skipped_by_k[str(k)] = skipped  # M that do not divide a replica's batch
     plans = {m: dataclasses.replace(base, micro_batches=m) for m in candidates}
     ids0, batch0 = batches[0]
