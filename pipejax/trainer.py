@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.layered import LayeredModel
-from pipejax import autodp, autopipe, distributed, freeze, pipeline, reporting
+from pipejax import autodp, autopipe, distributed, freeze, pipeline, reporting, resume
 from pipejax import partition as part
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 from pipejax.data import Loader
@@ -78,13 +78,15 @@ def layer_grad_norms(grads: Params, partition: part.Partition, tables=None) -> j
 
 
 class LossNotFinite(FloatingPointError):
-  """The training loss became NaN or infinite: training stops (a diverged
-  state is never checkpointed). ``step`` is the step at which it was seen
-  (the loss is read every 10 steps and at the end of each epoch)."""
+  """The training loss, or a block's gradient norm, became NaN or infinite:
+  training stops (a diverged state is never checkpointed). ``step`` is the
+  step at which it was seen (the loss is read every 10 steps; both are read
+  before every checkpoint and at the end of each epoch). ``what`` names the
+  value (default: the training loss)."""
 
-  def __init__(self, loss_sum: float, epoch: int, step: int):
+  def __init__(self, loss_sum: float, epoch: int, step: int, what: str = 'the training loss'):
     self.loss_sum, self.epoch, self.step = loss_sum, epoch, step
-    super().__init__(f'the training loss is {loss_sum} at step {step} (epoch {epoch})')
+    super().__init__(f'{what} is {loss_sum} at step {step} (epoch {epoch})')
 
 
 class TrainingInterrupted(Exception):
@@ -145,9 +147,10 @@ def optimizer_for(train, steps_per_epoch: int):
   the samples seen and ends with the last epoch. Otherwise it is
   ``optax.adamw(schedule)`` exactly (the same state tree and arithmetic).
   """
-  total = max(1, train.epochs * steps_per_epoch)
-  warmup = int(train.warmup_epochs * steps_per_epoch)
-  lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, max(1, warmup), total,
+  total = max(2, train.epochs * steps_per_epoch)
+  # optax needs the decay to outlast the warm-up (a run of one step: one of each).
+  warmup = min(max(1, int(train.warmup_epochs * steps_per_epoch)), total - 1)
+  lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, warmup, total,
                                           end_value=0.0)
   return lr, optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(train.weight_decay),
                          _scale_by_schedule_in_base_steps(lambda count: -1 * lr(count)))
@@ -411,6 +414,7 @@ class Trainer:
         'epoch': epoch, 'step_in_epoch': step_in_epoch,
         'epoch_done': epoch_done,
         'step': int(self.state['step']), 'devices': self.num_devices,
+        'starting_batch_size': self.starting_batch_size,
         'plan': {'frozen_layers': plan.partition.num_frozen_layers,
                  'stage_sizes': list(plan.partition.stage_sizes),
                  'min_slots': plan.partition.min_slots,
@@ -458,7 +462,21 @@ class Trainer:
     the saved plan (recomputed on another device count), lays the state out
     for it, restores the freeze policy, the micro-batch choices (reused, not
     re-profiled), the cache's decisions (its entries are rebuilt: they are only
-    a speed-up) and the position :meth:`run` continues from."""
+    a speed-up) and the position :meth:`run` continues from.
+
+    Raises:
+      pipejax.resume.CheckpointMismatch: the checkpoint's starting global batch
+        differs (``train.batch_mode=per_pipeline`` on other devices or another
+        ``pipeline.initial_length``): its step count, learning-rate schedule and
+        position in the epoch are in units of that batch.
+    """
+    saved_batch = meta.get('starting_batch_size', self.starting_batch_size)
+    if saved_batch != self.starting_batch_size:
+      raise resume.CheckpointMismatch(
+          f'the checkpoint\'s run started with a global batch of {saved_batch} samples, this '
+          f'one with {self.starting_batch_size} (train.batch_mode=per_pipeline: '
+          f'train.batch_size x devices / pipeline.initial_length); resume with the devices and '
+          f'pipeline.initial_length it was saved with, or --config.resume=False to start over')
     partition = self._restored_partition(meta)
     mb = meta['micro_batches']
     same_devices = meta['devices'] == self.num_devices
@@ -660,7 +678,7 @@ class Trainer:
       if after_step is not None and steps < loader.steps_per_epoch():
         after_step(epoch, steps)
     sums = np.asarray(self.state['sums'])
-    self._check_finite(float(sums[0]), epoch, int(self.state['step']))
+    self.check_not_diverged(epoch)
     seconds = time.perf_counter() - start
     if first_step_seconds is not None and self.transitions:
       mean_step = (seconds - transition_seconds) / max(steps, 1)
@@ -678,6 +696,20 @@ class Trainer:
     """Stops training on a NaN or infinite loss (see :class:`LossNotFinite`)."""
     if not math.isfinite(loss_sum):
       raise LossNotFinite(loss_sum, epoch, step)
+
+  def check_not_diverged(self, epoch: int) -> None:
+    """Raises :class:`LossNotFinite` if this epoch's loss sum or a block's
+    gradient norm accumulated since the last freeze decision is not finite.
+    Run before every checkpoint: a step whose loss was finite can still
+    have applied a non-finite gradient, which only the norms show (the next
+    step's loss would, but that step may come after a save)."""
+    step = int(self.state['step'])
+    self._check_finite(float(np.asarray(self.state['sums'])[0]), epoch, step)
+    norms = np.asarray(self.state['layer_norms'])
+    bad = np.flatnonzero(~np.isfinite(norms))
+    if bad.size:
+      raise LossNotFinite(float(norms[bad[0]]), epoch, step,
+                          what=f'the gradient norm of block {int(bad[0])}')
 
   def evaluate(self, params: Params | None = None) -> dict[str, float]:
     """Evaluation metrics, at least ``{'eval_accuracy': ...}``, on the eval
@@ -828,9 +860,12 @@ class Trainer:
     return move, prefixes, time.perf_counter() - start
 
   def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:
-    """The plans a partition may run: the remembered M, or every candidate M."""
-    plan = self._plan(partition, self.profile.get(partition.pipeline_length))
-    if self.profile.get(partition.pipeline_length) is not None:
+    """The plans a partition may run: the config's fixed M, the remembered M,
+    or every candidate M."""
+    remembered = (None if self.config.pipeline.micro_batches  # a fixed M wins, as in restore
+                  else self.profile.get(partition.pipeline_length))
+    plan = self._plan(partition, remembered)
+    if remembered is not None:
       return [plan]
     return [dataclasses.replace(plan, micro_batches=m) for m in self.micro_batch_candidates(plan)]
 
@@ -868,6 +903,7 @@ class Trainer:
     state and compile (or take what :meth:`prepare_next` compiled). Returns the
     seconds spent."""
     start = time.perf_counter()
+    self.check_not_diverged(epoch)  # Eq. 1 on NaN norms would freeze arbitrary blocks
     norms = np.asarray(self.state['layer_norms'])
     decision = self.policy.decide(norms, step=int(self.state['step']))
     self.log('  ' + decision.describe() + (
@@ -883,10 +919,16 @@ class Trainer:
     ahead_used = ahead is not None and ahead[:2] == (old.partition, new_partition)
     t0 = time.perf_counter()
     if ahead_used:
-      move, prefixes, _ = ahead[2].result()  # waits only for what still compiles
-    else:
+      try:
+        move, prefixes, _ = ahead[2].result()  # waits only for what still compiles
+      except Exception as e:  # noqa: BLE001 - failed or cancelled there: once more, here
+        text = str(e).strip()
+        self.log(f'  preparing the next plan ahead failed ({type(e).__name__}'
+                 f'{": " + text.splitlines()[0][:200] if text else ""}); preparing it now')
+        ahead_used = False
+    if not ahead_used:
       move, prefixes, _ = self._prepare(old.partition, new_partition, plans,
-                                               self._state_spec(), sample_batch)
+                                        self._state_spec(), sample_batch)
     compile_s = time.perf_counter() - t0
     self.prefix.adopt(prefixes)
     t0 = time.perf_counter()
@@ -933,6 +975,7 @@ class Trainer:
       stop = stop_requested is not None and stop_requested()
       path = None
       if save is not None and (stop or (save_every_steps and steps % save_every_steps == 0)):
+        self.check_not_diverged(epoch)
         path = save(self.portable_state(), self.checkpoint_meta(epoch, steps, False), stop)
       if stop:
         raise TrainingInterrupted(epoch, int(self.state['step']), path)

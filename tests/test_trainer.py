@@ -4,6 +4,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import re
 import threading
@@ -17,6 +18,7 @@ import pytest
 from experiments import vit_imagenet
 from pipejax import autodp
 from pipejax import pipeline
+from pipejax import resume
 from pipejax import trainer as trainer_lib
 from pipejax import partition as part
 from pipejax.data import ArraySource, Loader
@@ -217,6 +219,68 @@ def test_policy_none_is_a_static_pipeline():
   assert trainer.plan == plan and trainer.transitions == []
 
 
+def test_a_per_pipeline_checkpoint_is_refused_where_the_starting_batch_differs(tmp_path):
+  """``per_pipeline`` on 4 devices instead of 8: the starting global batch
+  halves, and the saved step count, schedule and epoch position are in units
+  of the old one; resuming would put them in the wrong place."""
+  config = _config(initial_length=4, micro_batches=2)
+  with config.unlocked():
+    config.train.batch_mode = 'per_pipeline'
+    config.train.batch_size = 8
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+
+  def trainer(batch, devices):
+    return Trainer(created.model, created.params, config, str(tmp_path),
+                   Loader(ArraySource(data), batch, seed=0),
+                   Loader(ArraySource(data), batch, shuffle=False, drop_remainder=False),
+                   devices=devices, log=lambda _: None)
+
+  saved = trainer(16, jax.devices())
+  meta = saved.checkpoint_meta(0, 0, True)
+  assert meta['starting_batch_size'] == 16
+  with pytest.raises(resume.CheckpointMismatch,
+                     match='started with a global batch of 16 samples, this one with 8'):
+    trainer(8, jax.devices()[:4]).restore(saved.portable_state(), meta)
+  same = trainer(16, jax.devices())
+  same.restore(saved.portable_state(), meta)  # the same devices: resumes
+  assert same.plan == saved.plan
+
+
+def test_a_fixed_micro_batch_count_survives_transitions_whatever_the_profile_remembers():
+  """``pipeline.micro_batches`` set: every plan runs that M, even where the
+  shared profile file remembers another M for the new K (what a profiling
+  run of the same model wrote)."""
+  trainer, _ = _trainer(_config(alpha=0.5, initial_length=4, micro_batches=4))
+  trainer.profile.entries = {str(k): {'micro_batches': 2, 'seconds': {}} for k in (1, 2, 4)}
+  assert trainer.plan.micro_batches == 4
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
+  assert trainer.transitions and trainer.plan.partition.num_frozen_layers == 2
+  assert trainer.plan.micro_batches == 4
+  assert trainer._candidate_plans(trainer.plan.partition) == [trainer.plan]
+
+
+@pytest.mark.parametrize('every_steps', [1, 0])
+def test_a_non_finite_gradient_with_a_finite_loss_is_never_checkpointed(monkeypatch,
+                                                                        every_steps):
+  """A step whose loss is finite but whose gradients are not (its update
+  poisons the weights; only the next step's loss would show it) stops the
+  run before any save, mid-epoch or at the epoch's end, naming the block."""
+  real = trainer_lib.layer_grad_norms
+  monkeypatch.setattr(trainer_lib, 'layer_grad_norms',
+                      lambda *a, **k: real(*a, **k).at[2].set(jnp.inf))
+  trainer, _ = _trainer(_config(policy='none'))
+  saved = []
+  with pytest.raises(trainer_lib.LossNotFinite,
+                     match=r'the gradient norm of block 2 is inf at step (\d+)') as raised:
+    trainer.run(1, lambda epoch, steps: contextlib.nullcontext(_Bar()),
+                save=lambda *args: saved.append(args), save_every_steps=every_steps)
+  assert saved == []
+  assert raised.value.step == (1 if every_steps else trainer.steps_per_epoch)
+  assert math.isfinite(float(np.asarray(trainer.state['sums'])[0]))  # the loss alone was fine
+
+
 def test_global_batch_modes():
   assert autodp.global_batch_size(64, 4, 'constant') == 64
   assert autodp.global_batch_size(64, 4, 'per_pipeline') == 256
@@ -342,6 +406,32 @@ def test_a_failed_or_cancelled_background_compile_is_compiled_afresh():
   assert trainer_lib.Trainer._compiled_once(holder, held, 'k', compile_it,
                                             background=False).result() == 'fresh'
   assert calls == [True]
+
+
+def test_a_plan_whose_preparation_ahead_failed_is_prepared_at_the_transition():
+  """The background preparation of the predicted plan raised (or was
+  cancelled): the transition prepares it on its own thread, says so in one
+  line, and records it as not compiled ahead."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=4)
+  with config.unlocked():
+    config.freeze.compile_ahead = True
+  trainer, _ = _trainer(config)
+  messages = []
+  trainer.log = messages.append
+  batch = next(iter(trainer.train_loader.epoch(0)))[1]
+  trainer.prepare_next(batch)
+  old, new, future = trainer._ahead
+  future.result(timeout=600)
+  failed = concurrent.futures.Future()
+  failed.set_exception(RuntimeError('RESOURCE_EXHAUSTED: out of memory\nmore detail'))
+  trainer._ahead = (old, new, failed)
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, batch)
+  assert trainer.plan.partition == new and trainer.plan.partition.num_frozen_layers == 2
+  assert ('  preparing the next plan ahead failed (RuntimeError: RESOURCE_EXHAUSTED: out of '
+          'memory); preparing it now') in messages
+  assert trainer.transitions[-1].compiled_ahead is False
+  trainer.train_epoch(1, _Bar())  # and the prepared plan trains
 
 
 def test_a_failure_before_the_first_epoch_still_shuts_the_background_thread(monkeypatch):
