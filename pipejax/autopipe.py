@@ -27,12 +27,15 @@ choice.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
 import math
 import os
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -232,7 +235,12 @@ class MicroBatchProfile:
     self.path = path
     self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     self.about = about or {}
-    data = _read(path) if path else {}
+    try:
+      with _locked(path):
+        data = _read_keeping(path) if path else {}
+    except (OSError, ValueError) as e:  # unreadable, or damaged and cannot be moved aside
+      warnings.warn(f'{e}; the micro-batch counts are kept for this run only')
+      data = {}
     self.entries: dict[str, Any] = _choices(data.get(self.key))  # corrupt: re-measured
     described = data.get(ABOUT)
     if self.entries and self.about and (
@@ -264,17 +272,22 @@ class MicroBatchProfile:
       return
     try:
       os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-      data = _read(self.path)
-      data[self.key] = self.entries
-      if self.about:
-        if not isinstance(data.get(ABOUT), dict):
-          data[ABOUT] = {}
-        data[ABOUT][self.key] = self.about
-      tmp = f'{self.path}.tmp'
-      with open(tmp, 'w') as f:
-        json.dump(data, f, indent=1)
-      os.replace(tmp, self.path)
-    except OSError as e:
+      # Runs of other configurations share the file: read, merge and write
+      # under a lock, through a temporary file of this process's own.
+      with _locked(self.path):
+        data = _read_keeping(self.path)
+        data[self.key] = self.entries
+        if self.about:
+          if not isinstance(data.get(ABOUT), dict):
+            data[ABOUT] = {}
+          data[ABOUT][self.key] = self.about
+        tmp = f'{self.path}.{os.getpid()}.{threading.get_ident()}.tmp'
+        with open(tmp, 'w') as f:
+          json.dump(data, f, indent=1)
+          f.flush()
+          os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+    except (OSError, ValueError) as e:
       warnings.warn(f'cannot write the micro-batch profile {self.path}: {e}; '
                     f'keeping it for this run only')
 
@@ -298,11 +311,44 @@ def _load(path: str) -> dict[str, Any]:
   return data
 
 
-def _read(path: str) -> dict[str, Any]:
-  """:func:`_load`, with ``{}`` for a missing, unreadable or foreign file."""
+@contextlib.contextmanager
+def _locked(path: str | None):
+  """Holds ``<path>.lock`` exclusively (nothing for an in-memory profile):
+  runs of other configurations share the file and merge into it."""
+  if not path:
+    yield
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(f'{path}.lock', 'a') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    yield
+
+
+def _read_keeping(path: str) -> dict[str, Any]:
+  """:func:`_load`, with ``{}`` for a missing file; one that exists but is
+  not a profile is first moved to ``<path>.corrupt`` (with a warning), so
+  that rewriting it loses nothing. Call it under :func:`_locked`.
+
+  Raises:
+    ValueError: a file that cannot be read (permissions, a directory) or
+      moved: it must not be overwritten either.
+  """
   try:
     return _load(path)
-  except ValueError:
+  except ValueError as e:
+    if isinstance(e.__cause__, FileNotFoundError):
+      return {}
+    if isinstance(e.__cause__, OSError):
+      raise
+    aside, n = f'{path}.corrupt', 1
+    while os.path.exists(aside):
+      n += 1
+      aside = f'{path}.corrupt.{n}'
+    try:
+      os.replace(path, aside)
+    except OSError as moved:
+      raise ValueError(f'{e}; it cannot be moved aside either ({moved})') from moved
+    warnings.warn(f'{e}; moved to {aside}, the micro-batch counts are profiled again')
     return {}
 
 

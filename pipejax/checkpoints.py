@@ -152,13 +152,17 @@ class Checkpoints:
     return None
 
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
+    if isinstance(error, MemoryError):
+      raise error  # the machine's state, not the checkpoint's
     text = str(error).strip()
     detail = text.splitlines()[0][:200] if text else type(error).__name__
-    aside = self.path(step) + '.corrupt'
-    log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside}, trying the '
-        f'one before')
+    aside, n = self.path(step) + '.corrupt', 1
+    while os.path.exists(aside):  # an earlier one set aside is kept too
+      n += 1
+      aside = f'{self.path(step)}.corrupt.{n}'
+    log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside} (rename it '
+        f'back to try it again), trying the one before')
     if jax.process_index() == 0:
-      shutil.rmtree(aside, ignore_errors=True)
       os.replace(self.path(step), aside)
     self.manager.reload()
 
@@ -176,6 +180,14 @@ class Checkpoints:
                             f'{self.path(step) if step is not None else "none"}') from e
     finally:
       self.manager.close()
+
+
+def set_aside(workdir: str) -> list[str]:
+  """The checkpoints of ``workdir`` set aside as unreadable (``<step>.corrupt``)."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  if not os.path.isdir(directory):
+    return []
+  return sorted(name for name in os.listdir(directory) if '.corrupt' in name)
 
 
 def clear(workdir: str) -> None:

@@ -29,19 +29,41 @@ class MetricsLog:
       os.fsync(f.fileno())
 
 
+class MetricsError(ValueError):
+  """``metrics.jsonl`` cannot be read: a line other than the last is not a
+  row (the file is left as it is)."""
+
+
 def read_rows(workdir: str) -> list[dict[str, Any]]:
   """The rows of ``workdir/metrics.jsonl`` (none if it does not exist; a
-  torn last line, from a crash while writing, is ignored)."""
+  torn last line, from a crash while writing, is ignored).
+
+  Raises:
+    MetricsError: the file cannot be read, or a line before the last is not
+      a row with an ``epoch`` (a damaged file is never rewritten: the rows
+      after the damage would be lost).
+  """
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return []
+  try:
+    with open(path, encoding='utf-8') as f:
+      lines = f.read().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise MetricsError(f'cannot read {path}: {e}') from e
   rows = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
+  for number, line in enumerate(lines, 1):
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      row = None
+    if not isinstance(row, dict) or not isinstance(row.get('epoch'), int):
+      if number == len(lines) and row is None:
+        break  # torn by a crash while writing
+      raise MetricsError(f'{path} line {number} is not a metrics row ({line[:40]!r}); repair '
+                         f'or move the file, use another --workdir, or --config.resume=False '
+                         f'to start over')
+    rows.append(row)
   return rows
 
 

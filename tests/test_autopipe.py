@@ -1,6 +1,7 @@
 """AutoPipe: optimal balance, Eq. 2 compression, micro-batch profile, plan CLI."""
 import itertools
 import json
+import os
 import subprocess
 import sys
 
@@ -154,7 +155,37 @@ def test_micro_batch_profile_is_remembered_across_runs(tmp_path):
   assert other.get(4) is None
   with open(path, 'w') as f:
     f.write('{corrupt')
-  assert autopipe.MicroBatchProfile(path, {'model': 'x'}).get(4) is None
+  with pytest.warns(UserWarning, match=r'cannot read the micro-batch profile .*moved to '
+                                       r'.*profile\.json\.corrupt'):
+    reopened = autopipe.MicroBatchProfile(path, {'model': 'x'})
+  assert reopened.get(4) is None
+  reopened.choose(4, [4, 8], measure)
+  # The damaged file is kept aside, never overwritten, a second one beside it.
+  assert open(path + '.corrupt').read() == '{corrupt'
+  assert autopipe.MicroBatchProfile(path, {'model': 'x'}).get(4) == 8
+  with open(path, 'w') as f:
+    f.write('[]')
+  with pytest.warns(UserWarning, match=r'profile\.json\.corrupt\.2'):
+    autopipe.MicroBatchProfile(path, {'model': 'x'})
+  assert open(path + '.corrupt').read() == '{corrupt'
+  assert open(path + '.corrupt.2').read() == '[]'
+
+
+def test_concurrent_writers_of_one_profile_keep_every_record(tmp_path):
+  """Runs of other configurations share the file: no record is lost to a
+  concurrent read-merge-write, no temporary file is left."""
+  import concurrent.futures  # noqa: PLC0415
+  path = str(tmp_path / 'profile.json')
+
+  def write(i):
+    autopipe.MicroBatchProfile(path, {'model': i}).choose(
+        4, [4, 8], lambda m: float(m if i % 2 else -m))
+
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    list(pool.map(write, range(24)))
+  for i in range(24):
+    assert autopipe.MicroBatchProfile(path, {'model': i}).get(4) == (4 if i % 2 else 8)
+  assert sorted(os.listdir(tmp_path)) == ['profile.json', 'profile.json.lock']
 
 
 def test_plan_cli_vit_b16():
@@ -193,6 +224,11 @@ def test_plan_cli_vit_b16():
                         '--devices', '8'], capture_output=True, text=True)
   assert bad.returncode == 2 and "unknown model 'vit-x'" in bad.stderr
   assert 'Traceback' not in bad.stderr
+  from pipejax import plan as plan_lib  # noqa: PLC0415
+  with pytest.raises(ValueError, match='--devices must be >= 1, got 0'):
+    plan_lib.build_plan('vit-b16', 0, 0)
+  with pytest.raises(ValueError, match='--initial-pipeline-length must be >= 1, got 0'):
+    plan_lib.build_plan('vit-b16', 8, 0, initial_pipeline_length=0)
 
 
 def _plan_cli(*args):

@@ -212,6 +212,48 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   shutil.rmtree(os.path.join(ckpt.path(1), 'state'))
   with pytest.raises(checkpoints.CheckpointError, match='no readable checkpoint'):
     checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
+  # A step set aside again keeps the one set aside before.
+  again = checkpoints.Checkpoints(str(tmp_path))
+  again.save(2, _tiny_state(3.0), {'n': 3}, wait=True)
+  again.close()
+  shutil.rmtree(os.path.join(ckpt.path(2), 'state'))
+  with pytest.raises(checkpoints.CheckpointError):
+    checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
+  assert checkpoints.set_aside(str(tmp_path)) == ['1.corrupt', '2.corrupt', '2.corrupt.2']
+  assert os.path.isdir(os.path.join(ckpt.path(2) + '.corrupt', 'state'))  # the first one
+  # The same command again finds no checkpoint: the earlier run's metrics rows
+  # are not dropped for a fresh start, it refuses in one line.
+  log = reporting.MetricsLog(str(tmp_path))
+  for epoch in range(2):
+    log.append({'epoch': epoch, 'train_loss': 1.0})
+  before = open(log.path).read()
+  with pytest.raises(checkpoints.CheckpointError,
+                     match=r'holds 2 metrics rows of an earlier run but no readable checkpoint '
+                           r'\(set aside as unreadable: 1.corrupt, 2.corrupt, 2.corrupt.2\); '
+                           r'use another --workdir, or --config.resume=False'):
+    elastic._resume(str(tmp_path), None, checkpoints.Checkpoints(str(tmp_path)), {})
+  assert open(log.path).read() == before
+
+
+def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tmp_path):
+  workdir = str(tmp_path / 'run')
+  config = _config(str(tmp_path / 'p.json'), **{'checkpoint.enabled': False,
+                                                 'train.epochs': 1})
+  elastic.run(config, workdir, task='vit')
+  before = {name: open(os.path.join(workdir, name), 'rb').read()
+            for name in ('metrics.jsonl', 'summary.json')}
+  with pytest.raises(elastic.ConfigError, match='checkpoint.enabled=False cannot resume'):
+    elastic.run(config, workdir, task='vit')
+  with config.unlocked():
+    config.checkpoint.enabled = True  # the same command, checkpoints on: nothing to resume
+  with pytest.raises(checkpoints.CheckpointError,
+                     match='that run finished without checkpoints'):
+    elastic.run(config, workdir, task='vit')
+  assert {name: open(os.path.join(workdir, name), 'rb').read() for name in before} == before
+  with config.unlocked():
+    config.resume = False  # starting over is asked for
+  elastic.run(config, workdir, task='vit')
+  assert len(_rows(workdir)) == 1
 
 
 def _wait_until_quiet(directory: str, timeout: float = 30.0) -> None:
@@ -294,6 +336,25 @@ def test_identity_names_the_keys_that_differ():
     resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
   with pytest.raises(resume.CheckpointMismatch, match='no valid identity'):
     resume.check_identity({'identity': ident, 'fingerprint': 'x'}, ident, 'ck')
+
+
+def test_a_damaged_metrics_line_before_the_last_is_an_error_and_the_file_is_kept(tmp_path):
+  log = reporting.MetricsLog(str(tmp_path))
+  for epoch in range(3):
+    log.append({'epoch': epoch, 'train_loss': float(epoch)})
+  text = open(log.path).read()
+  damaged = '#####' + text[5:]
+  with open(log.path, 'w') as f:
+    f.write(damaged)
+  with pytest.raises(reporting.MetricsError, match=r'metrics.jsonl line 1 is not a metrics row'):
+    reporting.keep_rows(str(tmp_path), 2)
+  with pytest.raises(reporting.MetricsError):
+    reporting.MetricsLog(str(tmp_path))
+  assert open(log.path).read() == damaged
+  with open(log.path, 'w') as f:  # a row that is JSON but no row, even last
+    f.write(text + '[1, 2]\n')
+  with pytest.raises(reporting.MetricsError, match='line 4'):
+    reporting.read_rows(str(tmp_path))
 
 
 def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
