@@ -36,6 +36,24 @@ VARIANTS = {
 }
 
 
+def claim_workdir(path: str) -> str | None:
+  """Creates the benchmark's ``--workdir``; a one-line error (to print, exit
+  2) when it is not a fresh, empty directory or cannot be made."""
+  if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    return f'error: {path} is not an empty directory; choose a fresh --workdir'
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    return f'error: cannot create --workdir={path}: {e.strerror or e}'
+  return None
+
+
+def fail(message: str):
+  """Ends the benchmark with ``message`` on one line and exit status 2."""
+  print(message, file=sys.stderr, flush=True)
+  raise SystemExit(2)
+
+
 def _run(workdir: str, args: list[str]) -> dict:
   """One run of the main job in a fresh process; returns its summary, rows
   and ``process_seconds`` (the process's wall time: the run's
@@ -46,7 +64,7 @@ def _run(workdir: str, args: list[str]) -> dict:
   process_seconds = time.perf_counter() - start
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
-    raise SystemExit(f'error: {" ".join(cmd)} failed: {tail}')
+    fail(f'error: {" ".join(cmd)} failed: {tail}')
   with open(os.path.join(workdir, 'summary.json')) as f:
     summary = json.load(f)
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
@@ -81,10 +99,10 @@ def main(argv=None) -> int:
   parser.add_argument('--repeats', type=int, default=1,
                       help='runs per variant, interleaved; the median total is reported')
   args, passthrough = parser.parse_known_args(argv)
-  if os.path.exists(args.workdir) and os.listdir(args.workdir):
-    print(f'error: {args.workdir} is not empty; choose a fresh --workdir', file=sys.stderr)
+  error = claim_workdir(args.workdir)
+  if error:
+    print(error, file=sys.stderr)
     return 2
-  os.makedirs(args.workdir, exist_ok=True)
   if not args.no_warmup:
     for name, variant in VARIANTS.items():  # each has its own stored programs
       print(f'warm-up run of {name} (not reported) ...', flush=True)

@@ -33,7 +33,7 @@ import os
 import statistics
 import sys
 
-from experiments.bench_cache import _run
+from experiments.bench_cache import _run, claim_workdir
 from experiments.reproduce import flop_limit_speedup
 
 VARIANTS = {'elastic': [], 'baseline': ['--config.freeze.policy=none']}
@@ -119,10 +119,10 @@ def main(argv=None) -> int:
   if args.repeats < 1:
     print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
     return 2
-  if os.path.exists(args.workdir) and os.listdir(args.workdir):
-    print(f'error: {args.workdir} is not empty; choose a fresh --workdir', file=sys.stderr)
+  error = claim_workdir(args.workdir)
+  if error:
+    print(error, file=sys.stderr)
     return 2
-  os.makedirs(args.workdir, exist_ok=True)
   if not args.no_warmup:
     for name, extra in VARIANTS.items():
       print(f'warm-up run of {name} (not reported) ...', flush=True)

@@ -37,7 +37,10 @@ class TrainingDiverged(RuntimeError):
 
 
 def _log(msg: str) -> None:
-  print(msg, flush=True)
+  # Through tqdm, so that a line logged during an epoch clears the progress
+  # bar (on stderr) first instead of ending up on the bar's line.
+  tqdm.write(msg, file=sys.stdout)
+  sys.stdout.flush()
 
 
 def check_config(config, num_devices_available: int) -> None:
@@ -66,11 +69,24 @@ def check_config(config, num_devices_available: int) -> None:
                       f'the {n} devices; use one of {ok}')
   if c.checkpoint.every_steps < 0:
     raise ConfigError(f'checkpoint.every_steps must be >= 0, got {c.checkpoint.every_steps}')
+  if c.checkpoint.keep < 1:
+    raise ConfigError(f'checkpoint.keep must be >= 1, got {c.checkpoint.keep}')
+  if c.pipeline.micro_batches < 0:
+    raise ConfigError(f'pipeline.micro_batches must be >= 0 (0: profiled), got '
+                      f'{c.pipeline.micro_batches}')
+  if not 0 <= c.train.warmup_epochs < c.train.epochs:
+    raise ConfigError(f'train.warmup_epochs={c.train.warmup_epochs} must be >= 0 and below '
+                      f'train.epochs={c.train.epochs}')
   if c.freeze.timestep_steps < 0:
     raise ConfigError(f'freeze.timestep_steps must be >= 0, got {c.freeze.timestep_steps}')
   if c.freeze.timestep_steps and c.train.batch_mode != 'constant':
     raise ConfigError('freeze.timestep_steps needs train.batch_mode=constant (a transition '
                       'inside an epoch cannot change the batch size)')
+  if c.train.batch_mode == 'per_pipeline' and c.train.batch_size % c.pipeline.initial_length:
+    raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of '
+                      f'pipeline.initial_length={c.pipeline.initial_length} with '
+                      f'train.batch_mode=per_pipeline (the global batch, train.batch_size x '
+                      f'replicas, is split over all {n} devices)')
   if c.train.batch_mode == 'constant' and c.train.batch_size % n:
     raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of the {n} '
                       f'devices (the frozen prefix and evaluation split it over all of them)')
@@ -157,6 +173,24 @@ def resolve_data(config, task: str = 'vit'):
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
+def _check_workdir(workdir: str) -> None:
+  """Creates ``workdir`` if needed; its outputs' paths must be free or of the
+  right kind (before training, not at the first save)."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f'cannot use --workdir={workdir}: {e.strerror or e}') from e
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise ConfigError(f'cannot use --workdir={workdir}: not writable')
+  for name, is_dir in (('checkpoints', True), ('cache', True), ('metrics.jsonl', False),
+                       ('summary.json', False), ('summary.png', False)):
+    path = os.path.join(workdir, name)
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+      raise ConfigError(f'cannot use --workdir={workdir}: {path} is a '
+                        f'{"file" if is_dir else "directory"}, where the run writes its '
+                        f'{"folder" if is_dir else "file"} {name}')
+
+
 def _fresh_workdir(task: str) -> str:
   """A new folder ``runs/<task>-<date>-<time>`` (``-2``, ``-3``, … when a run
   started in the same second already took it): a run without ``--workdir``
@@ -182,6 +216,16 @@ def _pretrained(kind: str, path: str, num_labels: int) -> models.Created:
     raise ConfigError(f'model.pretrained: {e}') from e
 
 
+def _check_custom_model(m) -> None:
+  """The sizes of a ``model.preset='custom'`` model that HF would reject later."""
+  for key in ('num_layers', 'hidden_size', 'num_heads', 'intermediate_size'):
+    if m[key] < 1:
+      raise ConfigError(f'model.{key} must be >= 1, got {m[key]}')
+  if m.hidden_size % m.num_heads:
+    raise ConfigError(f'model.hidden_size={m.hidden_size} must be a multiple of '
+                      f'model.num_heads={m.num_heads}')
+
+
 def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Created:
   """A pretrained BERT (``model.pretrained``) or a randomly initialised preset
   sized to the tokenizer's vocabulary."""
@@ -191,6 +235,7 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   else:
     presets = [k for k, v in models.PRESETS.items() if v[0].startswith('bert')]
     if m.preset == 'custom':
+      _check_custom_model(m)
       overrides = dict(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                        num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
                        hidden_dropout_prob=m.dropout, attention_probs_dropout_prob=m.dropout)
@@ -218,11 +263,20 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
     return _bert_model(config, data, 'bert-question_answering')
   m = config.model
   if m.pretrained:
-    return _pretrained('vit', m.pretrained, data.num_classes)
+    created = _pretrained('vit', m.pretrained, data.num_classes)
+    hf = created.model.hf_config
+    if (hf.num_channels, hf.image_size) != (data.channels, data.image_size):
+      raise ConfigError(f'model.pretrained: {m.pretrained!r} takes {hf.image_size}x'
+                        f'{hf.image_size} images of {hf.num_channels} channels, the data '
+                        f'{data.name} has {data.image_size}x{data.image_size} of '
+                        f'{data.channels}' + (' (set data.image_size)' if hf.num_channels
+                                              == data.channels else ''))
+    return created
   preset = m.preset
   if preset == 'auto':
     preset = 'vit-b16' if data.name.startswith('imagenet') else 'custom'
   if preset == 'custom':
+    _check_custom_model(m)
     overrides = dict(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
                      num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
                      patch_size=m.patch_size, initializer_range=m.initializer_range,
@@ -269,10 +323,23 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
   restored = ckpt.restore(
       lambda meta: trainer.abstract_portable(), _log) if ckpt is not None else None
   if restored is None:
+    rows = reporting.read_rows(workdir)
+    aside = checkpoints.set_aside(workdir)
+    finished = os.path.exists(os.path.join(workdir, 'summary.json'))
+    if rows and (aside or finished):
+      # A finished run's results, or those of a run whose checkpoints could not
+      # be read: never dropped without --config.resume=False. (Rows without
+      # either are a crash's before its first checkpoint was complete: the
+      # same command redoes them.)
+      raise checkpoints.CheckpointError(
+          f'{workdir} holds {len(rows)} metrics rows of an earlier run but no readable '
+          f'checkpoint (' + (f'set aside as unreadable: {", ".join(aside)}' if aside else
+                             'that run finished without checkpoints')
+          + '); use another --workdir, or --config.resume=False to start over')
     dropped = reporting.keep_rows(workdir, 0)
     if dropped:
       _log(f'no checkpoint in {workdir}: starting from the beginning (dropped {dropped} '
-           f'metrics rows)')
+           f'metrics rows of a run stopped before its first checkpoint)')
     return
   state, meta, path = restored
   resume.check_identity(meta, ident, path)  # a fallback checkpoint is checked too
@@ -313,7 +380,7 @@ def run(config, workdir: str | None, task: str,
                       f'{model.num_layers} layers')
   if not workdir:
     workdir = _fresh_workdir(task)
-  os.makedirs(workdir, exist_ok=True)
+  _check_workdir(workdir)
   ident = resume.identity(config, model.hf_config.to_dict())
   if not config.resume:
     _start_over(workdir)
@@ -445,6 +512,7 @@ def _describe(model) -> str:
 
 
 KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.DatasetMissing,
+                reporting.MetricsError,
                 freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
                 schedule.ScheduleError, text_data.TextConfigError, checkpoints.CheckpointError,
                 resume.CheckpointMismatch, distributed.DistributedError)
@@ -475,24 +543,68 @@ def main(config, workdir: str | None, task: str) -> int:
   return 0
 
 
+HELP_FLAGS = ('-h', '--help', '--helpfull')
+
+
+def _flat_config(config, prefix: str = 'config') -> list[tuple[str, object]]:
+  out = []
+  for key, value in config.items():
+    name = f'{prefix}.{key}'
+    if hasattr(value, 'items'):
+      out.extend(_flat_config(value, name))
+    else:
+      out.append((name, value))
+  return out
+
+
+def usage(config, config_file: str, require_workdir: bool = False) -> str:
+  """``--help``: the command's description (its module's docstring), its
+  flags and every config key with the value this command line gives it."""
+  main_module = sys.modules.get('__main__')
+  spec = getattr(main_module, '__spec__', None)
+  command = (f'python -m {spec.name}' if spec is not None and spec.name
+             else f'python {sys.argv[0]}')
+  workdir = '--workdir=DIR' if require_workdir else '[--workdir=DIR]'
+  lines = [f'usage: {command} {workdir} [--config=FILE] [--config.KEY=VALUE ...]']
+  doc = (getattr(main_module, '__doc__', None) or '').strip()
+  if doc:
+    lines += ['', doc]
+  lines += ['', 'flags:',
+            '  --workdir=DIR   output directory' + (
+                '' if require_workdir else ' (default: a fresh folder under ./runs/)'),
+            f'  --config=FILE   a config file with get_config() (default: '
+            f'{os.path.relpath(config_file)})',
+            '', 'config keys (--config.KEY=VALUE) and their values on this command line:']
+  lines += [f'  --{name}={value!r}' if isinstance(value, str) else f'  --{name}={value}'
+            for name, value in _flat_config(config)]
+  return '\n'.join(lines)
+
+
 def parse_command_line(config_file: str, argv=None, require_workdir: bool = False):
   """``--config`` (``config_file`` by default, with overrides) and
   ``--workdir`` (``require_workdir``: it must be given, as the benchmarks
   need); returns ``(config, workdir)``, or None after printing a one-line
-  error."""
+  error. ``--help`` prints :func:`usage` and exits 0."""
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
+  argv = list(sys.argv if argv is None else argv)
+  wants_help = any(a in HELP_FLAGS for a in argv[1:])
+  if wants_help:
+    argv = argv[:1] + [a for a in argv[1:] if a not in HELP_FLAGS]
   try:
     # Defining the flag already reads the command line (to load the file).
     config_flags.DEFINE_config_file('config', config_file, 'the run configuration',
                                     lock_config=True)
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
-    rest = flags.FLAGS(sys.argv if argv is None else argv)
+    rest = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     print(f'error: bad command line: {detail} (a config key that does not exist, or a value '
-          f'of the wrong type; see --helpfull)', file=sys.stderr)
+          f'of the wrong type; --help lists the keys)', file=sys.stderr)
     return None
+  if wants_help:
+    print(usage(flags.FLAGS.config, config_file, require_workdir), flush=True)
+    raise SystemExit(0)
   if len(rest) > 1:
     print(f'error: unexpected arguments {rest[1:]}', file=sys.stderr)
     return None

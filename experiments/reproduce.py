@@ -54,6 +54,8 @@ import subprocess
 import sys
 import time
 
+from experiments.bench_cache import claim_workdir, fail
+
 PARTS = ('breakdown', 'alpha', 'microbatches', 'transitions', 'table1')
 MAIN, PLAIN = 'experiments.vit_imagenet', 'experiments.plain_dp'
 NO_CACHE = ['--config.cache.enabled=False']
@@ -99,7 +101,7 @@ class Runner:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode:
       tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
-      raise SystemExit(f'error: run {name!r} failed ({" ".join(cmd)}): {tail}')
+      fail(f'error: run {name!r} failed ({" ".join(cmd)}): {tail}')
     return workdir, time.perf_counter() - start
 
   def run(self, name: str, module: str, args: list[str]) -> dict:
@@ -403,7 +405,7 @@ def microbatches(runner: Runner, workdir: str) -> dict:
   print('  microbatches ...', flush=True)
   proc = subprocess.run(cmd, text=True, check=False)
   if proc.returncode:
-    raise SystemExit(f'error: the micro-batch sweep failed ({" ".join(cmd)})')
+    fail(f'error: the micro-batch sweep failed ({" ".join(cmd)})')
   with open(out) as f:
     return json.load(f)
 
@@ -454,10 +456,10 @@ def main(argv=None) -> int:
     print(f'error: {", ".join(clash)}; leave it out or run the other parts alone',
           file=sys.stderr)
     return 2
-  if os.path.isdir(args.workdir) and os.listdir(args.workdir):
-    print(f'error: {args.workdir} is not empty; choose a fresh --workdir', file=sys.stderr)
+  error = claim_workdir(args.workdir)
+  if error:
+    print(error, file=sys.stderr)
     return 2
-  os.makedirs(args.workdir, exist_ok=True)
   runner = Runner(args.workdir, passthrough, args.compile_cache,
                   tuple(dict.fromkeys(['baseline', *variants])))
   start = time.perf_counter()

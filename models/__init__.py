@@ -119,10 +119,18 @@ def _from_pretrained(hf_class, path: str, num_labels: int | None = None):
   has_flax = os.path.isdir(path) and os.path.exists(os.path.join(path, 'flax_model.msgpack'))
   extra = {} if num_labels is None else {'num_labels': num_labels,
                                          'ignore_mismatched_sizes': True}
+  want = hf_class.config_class.model_type
   try:
+    found = hf_class.config_class.get_config_dict(path)[0].get('model_type')
+    if found not in (None, want):  # HF would only warn, then fail on the first batch
+      raise ValueError(f'it holds a {found!r} model, not a {want!r} one')
     return hf_class.from_pretrained(path, from_pt=not has_flax, **extra)
-  except (OSError, ValueError, EnvironmentError) as e:
-    raise ValueError(f'cannot load pretrained model from {path!r}: {e}'.splitlines()[0]) from e
+  except MemoryError:
+    raise
+  except Exception as e:  # noqa: BLE001 - transformers, safetensors, msgpack, a missing torch
+    text = str(e).strip()
+    detail = text.splitlines()[0] if text else type(e).__name__
+    raise ValueError(f'cannot load pretrained model from {path!r}: {detail}') from e
 
 
 __all__ = ['Created', 'KINDS', 'LayeredModel', 'PRESETS', 'build', 'config_for', 'create',

@@ -46,7 +46,8 @@ STORAGE_DTYPES = {'float32': np.dtype(np.float32), 'bfloat16': np.dtype(ml_dtype
 
 
 class CacheMismatchError(ValueError):
-  """A cache directory holds entries of another run or configuration."""
+  """A cache directory holds entries of another run or configuration, or
+  cannot be used at all."""
 
 
 def storage_dtype(name: str) -> np.dtype:
@@ -105,7 +106,11 @@ class DiskTier:
     self.payload_bytes = int(np.prod(self.entry_shape)) * self.dtype.itemsize
     self.record_bytes = HEADER.itemsize + self.payload_bytes
     self.slots = int(min(max_bytes // self.record_bytes, max_slots))
-    os.makedirs(directory, exist_ok=True)
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+      raise CacheMismatchError(f'cannot use the cache directory {directory}: '
+                               f'{e.strerror or e}') from e
     self.path = os.path.join(directory, ENTRIES)
     manifest_path = os.path.join(directory, MANIFEST)
     expected = {'format': FORMAT, 'identity': identity, 'entry_shape': list(self.entry_shape),
@@ -113,25 +118,31 @@ class DiskTier:
     found = self._manifest(manifest_path)
     leftover = found is not None or os.path.exists(self.path)
     if leftover and (found is None or {k: found.get(k) for k in expected} != expected):
-      what = ('no readable manifest' if found is None else
+      what = (f'{ENTRIES} without a readable {MANIFEST}: whose they are is unknown'
+              if found is None else
               f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '
               f'dtype {found.get("dtype")}')
       if on_mismatch == 'refuse':
         raise CacheMismatchError(
-            f'cache directory {directory} holds another run\'s activations ({what}; this run: '
-            f'identity {identity!r}, shape {list(self.entry_shape)}, dtype {dtype}); use a '
-            f'fresh directory or on_mismatch=clear')
+            f'cache directory {directory} holds activations this run cannot trust ({what}; '
+            f'this run: identity {identity!r}, shape {list(self.entry_shape)}, dtype '
+            f'{dtype}); use a fresh directory (--config.cache.directory) or '
+            f'--config.cache.on_mismatch=clear')
       log(f'autocache: clearing {directory}: it held another run\'s activations ({what})')
       for name in (ENTRIES, MANIFEST):
         if os.path.exists(os.path.join(directory, name)):
           os.remove(os.path.join(directory, name))
-    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    if os.fstat(self.fd).st_size > self.slots * self.record_bytes:
-      os.ftruncate(self.fd, self.slots * self.record_bytes)  # a smaller budget than last time
-    tmp = manifest_path + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(dict(expected, record_bytes=self.record_bytes, slots=self.slots), f)
-    os.replace(tmp, manifest_path)
+    try:
+      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      if os.fstat(self.fd).st_size > self.slots * self.record_bytes:
+        os.ftruncate(self.fd, self.slots * self.record_bytes)  # a smaller budget than last time
+      tmp = manifest_path + '.tmp'
+      with open(tmp, 'w') as f:
+        json.dump(dict(expected, record_bytes=self.record_bytes, slots=self.slots), f)
+      os.replace(tmp, manifest_path)
+    except OSError as e:
+      raise CacheMismatchError(f'cannot use the cache directory {directory}: '
+                               f'{e.strerror or e} ({e.filename})') from e
 
   @staticmethod
   def _manifest(path: str) -> dict | None:

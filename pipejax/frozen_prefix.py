@@ -474,7 +474,7 @@ class FrozenPrefix:
         return np.asarray(self._forward(plan, frozen, batch))[rows]
 
       self.cache.fetch(chunk, compute)
-    self.log(f'autocache: {len(ids)} sample{"s" * (len(ids) != 1)} of this epoch that earlier '
+    self.log(f'  autocache: {len(ids)} sample{"s" * (len(ids) != 1)} of this epoch that earlier '
              f'epochs did not draw computed in {time.perf_counter() - start_time:.2f}s')
     return len(ids)
 
@@ -539,12 +539,13 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
   sample = source[np.arange(1)]
   entry = jax.eval_shape(lambda p, b: model.hidden_states(p, b, upto_layer=0), params,
                          {k: sample[k] for k in model.input_keys})
-  # Everything that decides the frozen layers' output: the whole config
-  # (training decides the frozen weights), the model and the data.
-  settings = {k: v for k, v in config.to_dict().items() if k != 'resume'}
-  # Not the knobs that choose which programs compute the same values.
-  settings['freeze'] = {k: v for k, v in settings.get('freeze', {}).items()
-                        if k not in resume.PROGRAM_CHOICES}
+  # What decides the frozen layers' output: the keys that decide a
+  # checkpoint's state (training decides the frozen weights; the HF model
+  # config among them), the data. Not what a resumed run may change
+  # (train.epochs, pipeline.*, cache.*, checkpoint.*): a resume starts the
+  # cache empty at the checkpoint's depth (FrozenPrefix.restore), so such a
+  # change must not make the run refuse its own directory.
+  settings = resume.identity(config, model.hf_config.to_dict())
   directory = c.directory or os.path.join(workdir, 'cache')
   if jax.process_count() > 1:
     # The coordinator's address and this process's rank may change from one
@@ -553,10 +554,10 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
                                'data_shards': config.distributed.data_shards}
     directory = os.path.join(directory, f'process_{jax.process_index()}')
   identity = hashlib.sha256(json.dumps(
-      {'config': settings, 'model': model.hf_config.to_dict(),
-       'samples': len(source), 'entry': list(entry.shape[1:])},
+      {'config': settings, 'samples': len(source), 'entry': list(entry.shape[1:])},
       sort_keys=True, default=str).encode()).hexdigest()[:16]
   return ActivationCache(
       identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
       dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20), disk_bytes=int(c.disk_mb * 2**20),
-      directory=directory, on_mismatch=c.on_mismatch, log=log, own_ids=own_ids)
+      directory=directory, on_mismatch=c.on_mismatch, own_ids=own_ids,
+      log=lambda msg: log('  ' + msg))  # under the epoch's line, like the run's other events

@@ -91,6 +91,10 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
   num_layers = created.model.num_layers
   if not 0 <= frozen_layers < num_layers:
     raise ValueError(f'--frozen-layers must be in [0, {num_layers - 1}], got {frozen_layers}')
+  if devices < 1:
+    raise ValueError(f'--devices must be >= 1, got {devices}')
+  if initial_pipeline_length is not None and initial_pipeline_length < 1:
+    raise ValueError(f'--initial-pipeline-length must be >= 1, got {initial_pipeline_length}')
   initial = initial_pipeline_length or devices
   if devices % initial:
     raise ValueError(f'initial pipeline length {initial} does not divide {devices} devices')

@@ -387,9 +387,21 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   cache, ids = _disk_cache(tmp_path, fake)
   cache.close()
   for other in (dict(identity='run-b'), dict(dtype='bfloat16')):
-    with pytest.raises(CacheMismatchError, match='another run') as err:
+    with pytest.raises(CacheMismatchError, match="identity 'run-a'.*this run cannot trust|"
+                                                 "this run cannot trust.*'run-a'") as err:
       make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, **other)
     assert '\n' not in str(err.value)
+    assert str(err.value).endswith('--config.cache.on_mismatch=clear')
+  manifest = tmp_path / 'cache' / autocache_disk.MANIFEST
+  good = manifest.read_text()
+  manifest.write_text('{garbled')  # its own entries, but nothing says whose they are
+  with pytest.raises(CacheMismatchError, match='entries.bin without a readable autocache.json'):
+    make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20)
+  manifest.write_text(good)
+  blocked = tmp_path / 'blocked'
+  blocked.write_text('a file where the cache directory would be')
+  with pytest.raises(CacheMismatchError, match=f'cannot use the cache directory {blocked}'):
+    make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, directory=str(blocked))
   lines = []
   cache = make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, identity='run-b',
                      on_mismatch='clear', log=lines.append, depth=3)

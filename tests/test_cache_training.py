@@ -6,6 +6,7 @@ import pytest
 from pipejax.data import ArraySource
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 
+from tests import fixtures
 from tests.test_trainer import _Bar, _config, _trainer
 
 
@@ -261,21 +262,26 @@ def test_a_prefix_the_filled_cache_serves_is_not_loaded_ahead_but_on_a_call(tmp_
   np.testing.assert_array_equal(got, np.asarray(eager.prefix._forward(plan, frozen, batch)))
 
 
-def test_the_cache_identity_ignores_the_knobs_that_choose_programs(monkeypatch):
+def test_the_cache_identity_is_the_checkpoint_s(monkeypatch):
   """A disk cache is refused for another config; not for one that only
-  compiles ahead or pads stages differently (the same values)."""
+  compiles ahead or pads stages differently (the same values), nor for a
+  change a resumed run may make (the same checkpoint identity; a resume
+  starts the cache empty at the checkpoint's depth)."""
   from pipejax import frozen_prefix  # noqa: PLC0415
   monkeypatch.setattr(frozen_prefix, 'ActivationCache', lambda **kw: kw['identity'])
   config = _config()
   trainer, _ = _trainer(config)
 
-  def identity(**freeze):
+  def identity(**overrides):
     c = _config()
     with c.unlocked():
-      c.freeze.update(freeze)
+      fixtures.override(c, overrides)
     return make_cache(c, trainer.model, trainer.train_loader.source,
                       trainer.canonical_params(), '/nonexistent', lambda _: None)
 
   base = identity()
-  assert identity(compile_ahead=True, keep_slot_width=True) == base
-  assert identity(alpha=0.25) != base
+  assert identity(**{'freeze.compile_ahead': True, 'freeze.keep_slot_width': True}) == base
+  assert identity(**{'train.epochs': 7, 'pipeline.initial_length': 2, 'cache.memory_mb': 1.0,
+                     'checkpoint.every_steps': 3, 'train.eval_batch_size': 64}) == base
+  for changed in ({'freeze.alpha': 0.25}, {'train.learning_rate': 0.5}, {'seed': 3}):
+    assert identity(**changed) != base, changed

@@ -158,8 +158,26 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.train.no_such_key=1'], 'no_such_key'),
     (['--config.model.pretrained=/nonexistent/vit'],
      "model.pretrained: cannot load pretrained model from '/nonexistent/vit'"),
+    (['--config.model.hidden_size=30'], 'model.hidden_size=30 must be a multiple of '
+                                        'model.num_heads=4'),
+    (['--config.model.num_layers=0'], 'model.num_layers must be >= 1, got 0'),
+    (['--config.train.batch_mode=per_pipeline', '--config.train.batch_size=6',
+      '--config.pipeline.initial_length=4'],
+     'train.batch_size=6 must be a multiple of pipeline.initial_length=4 with '
+     'train.batch_mode=per_pipeline'),
+    (['--config.checkpoint.keep=-1'], 'checkpoint.keep must be >= 1, got -1'),
+    (['--config.train.epochs=1', '--config.train.warmup_epochs=2'],
+     'train.warmup_epochs=2.0 must be >= 0 and below train.epochs=1'),
+    (['--workdir={tmp}/afile/run'], 'cannot use --workdir={tmp}/afile/run: Not a directory'),
+    (['--workdir={tmp}/busy'], '{tmp}/busy/checkpoints is a file, where the run writes its '
+                               'folder checkpoints'),
 ])
 def test_bad_input_is_one_line(tmp_path, args, message):
+  (tmp_path / 'afile').write_text('not a directory')
+  (tmp_path / 'busy').mkdir()
+  (tmp_path / 'busy' / 'checkpoints').write_text('not a directory')
+  args = [a.format(tmp=tmp_path) for a in args]
+  message = message.format(tmp=tmp_path)
   out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
                         f'--workdir={tmp_path / "w"}',
                         f'--config.pipeline.profile_path={tmp_path / "p.json"}', *args],
@@ -169,6 +187,55 @@ def test_bad_input_is_one_line(tmp_path, args, message):
   assert out.stderr.endswith('\n') and out.stderr.count('\n') == 1, out.stderr
   assert out.stderr.startswith('error: ') and message in out.stderr
   assert 'Traceback' not in out.stderr + out.stdout
+
+
+def test_a_pretrained_directory_that_cannot_serve_the_data_is_one_clear_error(tmp_path):
+  """Another model type (a BERT), damaged weights, or a ViT for other images:
+  a ConfigError naming the problem (one line from the entry point), not a
+  traceback from HF or the first batch."""
+  from models import create, config_for  # noqa: PLC0415
+  data = datasets.digits(seed=0)
+
+  def resolve(path):
+    config = _config(tmp_path, **{'data.name': 'digits', 'model.pretrained': str(path)})
+    with pytest.raises(elastic.ConfigError) as e:
+      elastic.resolve_model(config, data)
+    assert '\n' not in str(e.value)
+    return str(e.value)
+
+  assert "holds a 'bert' model, not a 'vit' one" in resolve(fixtures.minilm_dir())
+  rgb = config_for('vit', hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=32, image_size=8, num_channels=3, patch_size=4,
+                   num_labels=data.num_classes)
+  saved = create('vit', rgb, seed=0)
+  saved.hf_class(rgb, seed=0).save_pretrained(str(tmp_path / 'rgb'))
+  assert ('takes 8x8 images of 3 channels, the data digits has 8x8 of 1'
+          in resolve(tmp_path / 'rgb'))
+  damaged = tmp_path / 'damaged'
+  damaged.mkdir()
+  (damaged / 'config.json').write_text((tmp_path / 'rgb' / 'config.json').read_text())
+  (damaged / 'model.safetensors').write_bytes(b'\xff' * 64)
+  assert resolve(damaged).startswith(f"model.pretrained: cannot load pretrained model from "
+                                     f"'{damaged}'")
+
+
+def test_help_lists_every_config_key_with_this_command_line_s_values():
+  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet', '--help',
+                        '--config.train.epochs=3'], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stderr == ''
+  assert out.stdout.startswith('usage: python -m experiments.vit_imagenet [--workdir=DIR]')
+  lines = set(out.stdout.splitlines())
+  assert {'  --config.train.epochs=3', '  --config.freeze.policy=\'pipetransformer\'',
+          f'  --config.freeze.alpha={1 / 3}'} <= lines
+  listed = {line.split('=')[0].strip()[len('--config.'):] for line in lines
+            if line.startswith('  --config.')}
+  from ml_collections import config_dict  # noqa: PLC0415
+  flat = config_dict.ConfigDict(vit_imagenet.get_config()).to_dict()
+
+  def keys(d, prefix=''):
+    for k, v in d.items():
+      yield from keys(v, f'{prefix}{k}.') if isinstance(v, dict) else [prefix + k]
+  assert listed == set(keys(flat))
 
 
 def test_a_pretrained_vit_from_a_local_directory_trains(tmp_path):
@@ -218,8 +285,12 @@ def test_entry_points_exit_with_their_code_after_the_exit_handlers_and_output(tm
   assert marker.read_text() == 'ran'
 
 
-def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch, capsys):
-  """A NaN loss is a one-line error with the step; no diverged state is saved."""
+@pytest.mark.parametrize('every_steps,seen_at', [(0, 5), (2, 2)])
+def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch, capsys,
+                                                           every_steps, seen_at):
+  """A NaN loss is a one-line error with the step; no diverged state is saved,
+  at an epoch's end or mid-epoch (``checkpoint.every_steps``: the loss is
+  read before the save, not only every 10 steps)."""
   real = elastic.datasets.digits
 
   def poisoned(seed=0):
@@ -228,11 +299,11 @@ def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch
     return data
 
   monkeypatch.setattr(elastic.datasets, 'digits', poisoned)
-  config = _config(tmp_path, **{'data.name': 'digits'})
+  config = _config(tmp_path, **{'data.name': 'digits', 'checkpoint.every_steps': every_steps})
   code = elastic.main(config, str(tmp_path / 'run'), task='vit')
   err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
   assert code == 2 and len(err) == 1 and err[0].startswith('error: ')  # (besides tqdm's bar)
-  assert 'the training loss is nan at step 5 (epoch 0)' in err[0]
+  assert f'the training loss is nan at step {seen_at} (epoch 0)' in err[0]
   assert 'Last good checkpoint: none' in err[0]
   assert not os.listdir(tmp_path / 'run' / 'checkpoints')
 
