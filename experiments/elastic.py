@@ -173,17 +173,17 @@ def resolve_data(config, task: str = 'vit'):
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
-def _check_workdir(workdir: str) -> None:
-  """Creates ``workdir`` if needed; its outputs' paths must be free or of the
-  right kind (before training, not at the first save)."""
+def _check_workdir(workdir: str, checkpoints_enabled: bool) -> None:
+  """Creates ``workdir`` if needed; the paths of the outputs it will write
+  must be free or of the right kind (before training, not at the first save)."""
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise ConfigError(f'cannot use --workdir={workdir}: {e.strerror or e}') from e
   if not os.access(workdir, os.W_OK | os.X_OK):
     raise ConfigError(f'cannot use --workdir={workdir}: not writable')
-  for name, is_dir in (('checkpoints', True), ('cache', True), ('metrics.jsonl', False),
-                       ('summary.json', False), ('summary.png', False)):
+  outputs = [('metrics.jsonl', False), ('summary.json', False), ('summary.png', False)]
+  for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
     path = os.path.join(workdir, name)
     if os.path.exists(path) and os.path.isdir(path) != is_dir:
       raise ConfigError(f'cannot use --workdir={workdir}: {path} is a '
@@ -269,8 +269,9 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
       raise ConfigError(f'model.pretrained: {m.pretrained!r} takes {hf.image_size}x'
                         f'{hf.image_size} images of {hf.num_channels} channels, the data '
                         f'{data.name} has {data.image_size}x{data.image_size} of '
-                        f'{data.channels}' + (' (set data.image_size)' if hf.num_channels
-                                              == data.channels else ''))
+                        f'{data.channels}' + (' (set data.image_size)' if (
+                            hf.num_channels == data.channels
+                            and data.name.startswith('imagenet')) else ''))
     return created
   preset = m.preset
   if preset == 'auto':
@@ -380,7 +381,7 @@ def run(config, workdir: str | None, task: str,
                       f'{model.num_layers} layers')
   if not workdir:
     workdir = _fresh_workdir(task)
-  _check_workdir(workdir)
+  _check_workdir(workdir, config.checkpoint.enabled)
   ident = resume.identity(config, model.hf_config.to_dict())
   if not config.resume:
     _start_over(workdir)
@@ -408,16 +409,17 @@ def run(config, workdir: str | None, task: str,
     return ckpt.path(meta['step'])
 
   try:
-    if ckpt is not None and config.resume:
-      latest = ckpt.latest_meta()
-      if latest is not None:  # refuse before building anything
-        resume.check_identity(latest[0], ident, latest[1])
+    latest = ckpt.latest_meta() if ckpt is not None and config.resume else None
+    if latest is not None:  # refuse before building anything
+      resume.check_identity(latest[0], ident, latest[1])
     _log(f'{mode} run: {data.name}, {_describe(model)}, '
          f'{len(devices)} {devices[0].platform} devices, K0={config.pipeline.initial_length}, '
          f'freeze={config.freeze.policy} α={config.freeze.alpha:.3f} → {workdir}')
     trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
                       devices=devices, log=_log, evaluator=data.evaluator,
                       program_store=runtime.program_store_dir())
+    if latest is not None:
+      trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
     if config.resume:
       _resume(workdir, trainer, ckpt, ident)
     result = trainer.run(config.train.epochs, _progress, save=save,

@@ -117,7 +117,17 @@ class DiskTier:
                 'dtype': dtype}
     found = self._manifest(manifest_path)
     leftover = found is not None or os.path.exists(self.path)
-    if leftover and (found is None or {k: found.get(k) for k in expected} != expected):
+    if (found is not None and found.get('identity') == identity
+        and {k: found.get(k) for k in expected} != expected):
+      # This run's own entries in another dtype or shape (a resume may change
+      # cache.*): only a speed-up, and a resume starts the cache empty anyway.
+      log(f'autocache: clearing {directory}: its entries are this run\'s in dtype '
+          f'{found.get("dtype")}, shape {found.get("entry_shape")}; now {dtype}, '
+          f'{list(self.entry_shape)}')
+      for name in (ENTRIES, MANIFEST):
+        if os.path.exists(os.path.join(directory, name)):
+          os.remove(os.path.join(directory, name))
+    elif leftover and (found is None or {k: found.get(k) for k in expected} != expected):
       what = (f'{ENTRIES} without a readable {MANIFEST}: whose they are is unknown'
               if found is None else
               f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '

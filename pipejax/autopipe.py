@@ -313,15 +313,26 @@ def _load(path: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _locked(path: str | None):
-  """Holds ``<path>.lock`` exclusively (nothing for an in-memory profile):
-  runs of other configurations share the file and merge into it."""
-  if not path:
+  """Holds ``<path>.lock`` exclusively while runs of other configurations,
+  which share the file, could merge into it. Best effort: nothing for an
+  in-memory profile, and unlocked where no lock file can be made or locked
+  (a read-only directory, a file system without locks) — writes still
+  replace the file atomically, a concurrent write may then lose a record."""
+  lock = None
+  if path:
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      lock = open(f'{path}.lock', 'a')  # noqa: SIM115 - closed below
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError:
+      if lock is not None:
+        lock.close()
+      lock = None
+  try:
     yield
-    return
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(f'{path}.lock', 'a') as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    yield
+  finally:
+    if lock is not None:
+      lock.close()
 
 
 def _read_keeping(path: str) -> dict[str, Any]:

@@ -152,8 +152,8 @@ class Checkpoints:
     return None
 
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
-    if isinstance(error, MemoryError):
-      raise error  # the machine's state, not the checkpoint's
+    if isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in str(error):
+      raise error  # the machine's (or the devices') memory, not the checkpoint
     text = str(error).strip()
     detail = text.splitlines()[0][:200] if text else type(error).__name__
     aside, n = self.path(step) + '.corrupt', 1

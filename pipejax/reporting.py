@@ -18,6 +18,8 @@ class MetricsLog:
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, 'metrics.jsonl')
     self.rows: list[dict[str, Any]] = read_rows(workdir)
+    if jax.process_index() == 0 and _torn(self.path):
+      _rewrite(self.path, self.rows)  # rows appended after a torn line must start afresh
 
   def append(self, row: dict[str, Any]) -> None:
     self.rows.append(row)
@@ -77,14 +79,32 @@ def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None)
   kept = [r for r in rows if r['epoch'] < epochs]
   if last_row is not None and not any(r['epoch'] == last_row['epoch'] for r in kept):
     kept.append(last_row)
-  if jax.process_index() == 0 and kept != rows:  # nothing to drop: leave the file alone
-    path = os.path.join(workdir, 'metrics.jsonl')
-    with open(path + '.tmp', 'w') as f:
-      f.writelines(json.dumps(r) + '\n' for r in kept)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(path + '.tmp', path)
+  path = os.path.join(workdir, 'metrics.jsonl')
+  # Nothing to drop and nothing torn: leave the file alone.
+  if jax.process_index() == 0 and (kept != rows or _torn(path)):
+    _rewrite(path, kept)
   return len(rows) - len([r for r in rows if r['epoch'] < epochs])
+
+
+def _torn(path: str) -> bool:
+  """Whether ``path`` ends in a line torn by a crash (no final newline)."""
+  try:
+    with open(path, 'rb') as f:
+      if f.seek(0, os.SEEK_END) == 0:
+        return False
+      f.seek(-1, os.SEEK_END)
+      return f.read(1) != b'\n'
+  except FileNotFoundError:
+    return False
+
+
+def _rewrite(path: str, rows: list[dict[str, Any]]) -> None:
+  """Writes ``rows`` as ``path``, atomically."""
+  with open(path + '.tmp', 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(path + '.tmp', path)
 
 
 def write_summary(workdir: str, summary: dict[str, Any]) -> str:

@@ -10,7 +10,9 @@ differs, naming the keys. Left out on purpose: ``train.epochs`` (a run may be
 extended; the learning-rate schedule then follows the new total from the
 resumed step on), ``train.eval_batch_size`` (evaluation only reads the
 state), ``pipeline.*`` (the plan is recomputed for the devices at
-hand), ``cache.*``, ``checkpoint.*`` and ``resume``.
+hand; with ``train.batch_mode=per_pipeline`` the starting global batch must
+stay the same, see :meth:`pipejax.trainer.Trainer.check_resumable`),
+``cache.*``, ``checkpoint.*`` and ``resume``.
 
 *Exit codes* of the entry points: 0 done, 2 bad input or a refused
 checkpoint (one line), :data:`EXIT_INTERRUPTED` = 75 (``EX_TEMPFAIL``)

@@ -456,6 +456,20 @@ class Trainer:
              f'K={saved["pipeline_length"]} -> K={k}')
     return partition
 
+  def check_resumable(self, meta: dict) -> None:
+    """Raises :class:`pipejax.resume.CheckpointMismatch` when the checkpoint
+    ``meta`` started from another global batch (``per_pipeline`` on other
+    devices or another ``pipeline.initial_length``): its step count, schedule
+    and epoch position are in units of that batch. Cheap: callers check the
+    newest checkpoint before restoring anything."""
+    saved_batch = meta.get('starting_batch_size', self.starting_batch_size)
+    if saved_batch != self.starting_batch_size:
+      raise resume.CheckpointMismatch(
+          f'the checkpoint\'s run started with a global batch of {saved_batch} samples, this '
+          f'one with {self.starting_batch_size} (train.batch_mode=per_pipeline: '
+          f'train.batch_size x devices / pipeline.initial_length); resume with the devices and '
+          f'pipeline.initial_length it was saved with, or --config.resume=False to start over')
+
   def restore(self, portable: dict, meta: dict) -> None:
     """Continues from a checkpoint: ``portable`` restored into
     :meth:`abstract_portable`, ``meta`` from :meth:`checkpoint_meta`. Rebuilds
@@ -470,13 +484,7 @@ class Trainer:
         ``pipeline.initial_length``): its step count, learning-rate schedule and
         position in the epoch are in units of that batch.
     """
-    saved_batch = meta.get('starting_batch_size', self.starting_batch_size)
-    if saved_batch != self.starting_batch_size:
-      raise resume.CheckpointMismatch(
-          f'the checkpoint\'s run started with a global batch of {saved_batch} samples, this '
-          f'one with {self.starting_batch_size} (train.batch_mode=per_pipeline: '
-          f'train.batch_size x devices / pipeline.initial_length); resume with the devices and '
-          f'pipeline.initial_length it was saved with, or --config.resume=False to start over')
+    self.check_resumable(meta)
     partition = self._restored_partition(meta)
     mb = meta['micro_batches']
     same_devices = meta['devices'] == self.num_devices

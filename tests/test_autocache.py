@@ -386,12 +386,22 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   fake = FakePrefix(12)
   cache, ids = _disk_cache(tmp_path, fake)
   cache.close()
-  for other in (dict(identity='run-b'), dict(dtype='bfloat16')):
+  for other in (dict(identity='run-b'), dict(identity='run-b', dtype='bfloat16')):
     with pytest.raises(CacheMismatchError, match="identity 'run-a'.*this run cannot trust|"
                                                  "this run cannot trust.*'run-a'") as err:
       make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, **other)
     assert '\n' not in str(err.value)
     assert str(err.value).endswith('--config.cache.on_mismatch=clear')
+  # The same run in another dtype (a resume may change cache.dtype): its own
+  # entries, cleared with a line, not refused.
+  lines = []
+  recast = make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, dtype='bfloat16',
+                      log=lines.append, depth=3)
+  assert "its entries are this run's in dtype float32" in lines[0]
+  assert not recast.contains(ids).any()
+  recast.close()
+  cache, ids = _disk_cache(tmp_path, fake)  # run-a in float32 again, for what follows
+  cache.close()
   manifest = tmp_path / 'cache' / autocache_disk.MANIFEST
   good = manifest.read_text()
   manifest.write_text('{garbled')  # its own entries, but nothing says whose they are

@@ -188,6 +188,17 @@ def test_concurrent_writers_of_one_profile_keep_every_record(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['profile.json', 'profile.json.lock']
 
 
+def test_a_profile_is_read_and_written_where_no_lock_can_be_taken(tmp_path):
+  path = str(tmp_path / 'profile.json')
+  autopipe.MicroBatchProfile(path, {'model': 'x'}).choose(4, [4, 8], float)
+  os.remove(path + '.lock')
+  os.mkdir(path + '.lock')  # open() of the lock file fails, as in a read-only directory
+  assert autopipe.MicroBatchProfile(path, {'model': 'x'}).get(4) == 4
+  autopipe.MicroBatchProfile(path, {'model': 'y'}).choose(2, [2, 4], lambda m: -m)
+  assert autopipe.MicroBatchProfile(path, {'model': 'y'}).get(2) == 4
+  assert autopipe.MicroBatchProfile(path, {'model': 'x'}).get(4) == 4
+
+
 def test_plan_cli_vit_b16():
   out = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
                         '--devices', '8', '--frozen-layers', '0'],

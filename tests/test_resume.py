@@ -369,6 +369,19 @@ def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
   # A checkpoint's own copy fills in a row the crash kept from the file.
   reporting.keep_rows(str(tmp_path), 3, {'epoch': 2, 'train_loss': 2.0})
   assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
+  # A torn row with nothing to drop (resumed from the checkpoint of the epoch
+  # before it): the tear goes, so the rows appended next are not glued to it.
+  with open(log.path, 'a') as f:
+    f.write('{"epoch": 3, "trai')
+  assert reporting.keep_rows(str(tmp_path), 3) == 0
+  log = reporting.MetricsLog(str(tmp_path))
+  for epoch in (3, 4):
+    log.append({'epoch': epoch, 'train_loss': float(epoch)})
+  assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2, 3, 4]
+  with open(log.path, 'a') as f:  # and MetricsLog alone (no resume) heals it too
+    f.write('{"epo')
+  reporting.MetricsLog(str(tmp_path)).append({'epoch': 5, 'train_loss': 5.0})
+  assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2, 3, 4, 5]
 
 
 def test_first_signal_asks_to_stop_second_aborts():
