@@ -534,6 +534,9 @@ def main(config, workdir: str | None, task: str) -> int:
     except KNOWN_ERRORS as e:
       print(f'error: {e}', file=sys.stderr)
       return 2
+    except OSError as e:  # the machine's files (a full disk, a removed directory): one line
+      print(f'error: {e}', file=sys.stderr)
+      return 2
     except KeyboardInterrupt:
       print('aborted (nothing saved after the last checkpoint)', file=sys.stderr)
       return resume.EXIT_ABORTED

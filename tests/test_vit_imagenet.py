@@ -308,6 +308,21 @@ def test_nan_loss_stops_the_run_naming_step_and_checkpoint(tmp_path, monkeypatch
   assert not os.listdir(tmp_path / 'run' / 'checkpoints')
 
 
+def test_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+  """An OSError of the machine's files (here: writing the summary on a full
+  disk) is one line and exit 2; the rows written before it stay."""
+  def full(workdir, summary):
+    raise OSError(28, 'No space left on device', os.path.join(workdir, 'summary.json'))
+
+  monkeypatch.setattr(elastic.reporting, 'write_summary', full)
+  config = _config(tmp_path, **{'data.name': 'digits', 'train.epochs': 1})
+  code = elastic.main(config, str(tmp_path / 'run'), task='vit')
+  err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
+  assert code == 2 and err == [f"error: [Errno 28] No space left on device: "
+                               f"'{tmp_path / 'run' / 'summary.json'}'"]
+  assert [r['epoch'] for r in elastic.reporting.read_rows(str(tmp_path / 'run'))] == [0]
+
+
 def test_runs_without_a_workdir_get_a_folder_each_even_in_the_same_second(tmp_path, monkeypatch):
   import datetime  # noqa: PLC0415
   import types  # noqa: PLC0415
