@@ -190,6 +190,11 @@ class ActivationCache:
       self.log(f'autocache: reusing {int(taken.sum())} entries this run left in '
                f'{self._disk.directory}')
 
+  def open(self) -> None:
+    """Reopens the disk file after :meth:`close` (a trainer's next run)."""
+    if self._disk is not None:
+      self._disk.open()
+
   def close(self) -> None:
     """Stops prefetching and closes the disk file (entries stay on disk)."""
     self.stop_prefetch()

@@ -163,6 +163,11 @@ class DiskTier:
     except (OSError, ValueError):
       return None
 
+  def open(self) -> None:
+    """Opens the entries file again after :meth:`close` (no-op while open)."""
+    if self.fd < 0:
+      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+
   def close(self) -> None:
     if self.fd >= 0:
       os.close(self.fd)

@@ -977,6 +977,8 @@ class Trainer:
     sample_batch = next(iter(self.train_loader.epoch(0)))[1]
     if self._pool._shutdown:  # noqa: SLF001 - a second run() gets a fresh pool
       self._pool = _background_pool()
+    if self.prefix.cache is not None:
+      self.prefix.cache.open()  # and the cache's disk file the first one closed
     by_steps = bool(self.config.freeze.timestep_steps)
 
     def after_step(epoch: int, steps: int) -> None:

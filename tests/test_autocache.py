@@ -422,6 +422,21 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   cache.close()
 
 
+def test_a_closed_cache_opens_again_with_its_entries(tmp_path):
+  """A trainer's second run() reopens the disk file its first run closed."""
+  fake = FakePrefix(12)
+  cache, ids = _disk_cache(tmp_path, fake)
+  cache.close()
+  with pytest.raises(OSError):
+    cache.fetch(ids, fake.compute_fn(ids, 3))
+  cache.open()
+  cache.open()  # idempotent
+  got = cache.fetch(ids, fake.compute_fn(ids, 3))
+  assert fake.computed == []  # every entry read back from the disk file
+  np.testing.assert_array_equal(got, fake.direct(ids, 3))
+  cache.close()
+
+
 def test_counters_stay_readable_after_close(tmp_path):
   # A run's summary reads them after the trainer closed the cache.
   fake = FakePrefix(12)
