@@ -105,7 +105,10 @@ def check_config(config, num_devices_available: int) -> None:
   if c.cache.on_mismatch not in ('refuse', 'clear'):
     raise ConfigError(f"cache.on_mismatch must be 'refuse' or 'clear', got "
                       f'{c.cache.on_mismatch!r}')
-  freeze.check_config(c.freeze.policy, c.freeze.alpha, max(c.model.num_layers, 1),
+  # The layer count bound is checked once the model is built (a preset or a
+  # pretrained model need not have model.num_layers blocks).
+  freeze.check_config(c.freeze.policy, c.freeze.alpha,
+                      max(c.model.num_layers, c.freeze.min_active_layers, 1),
                       c.freeze.min_active_layers)
   if jax.process_count() > 1:
     _check_multi_process(c)
@@ -147,6 +150,9 @@ def resolve_data(config, task: str = 'vit'):
   if task == 'bert_squad':
     if config.data.name != 'squad/v1.1':
       raise ConfigError(f"data.name must be 'squad/v1.1', got {config.data.name!r}")
+    for key in ('n_best_size', 'max_answer_length'):
+      if config.data[key] < 1:
+        raise ConfigError(f'data.{key} must be >= 1, got {config.data[key]}')
     data, features = text_data.squad(_tokenizer_path(config), config.data.max_seq_length,
                                      config.data.doc_stride, config.data.data_dir)
     data.evaluator = text_eval.SquadEvaluator(features, config.data.n_best_size,
@@ -232,6 +238,15 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   m = config.model
   if m.pretrained:
     created = _pretrained(kind, m.pretrained, data.num_classes)
+    hf = created.model.hf_config
+    words = len(text_data.load_tokenizer(_tokenizer_path(config)))
+    if words > hf.vocab_size:  # the embedding's gather would give NaN for the rest
+      raise ConfigError(f'the tokenizer of {_tokenizer_path(config)!r} has {words} tokens, the '
+                        f'model {m.pretrained!r} embeds {hf.vocab_size}: use the model\'s own '
+                        f'tokenizer (leave model.tokenizer empty)')
+    if getattr(hf, 'type_vocab_size', 2) < 2:
+      raise ConfigError(f'model {m.pretrained!r} has {hf.type_vocab_size} token type(s); '
+                        f'sentence pairs need 2')
   else:
     presets = [k for k, v in models.PRESETS.items() if v[0].startswith('bert')]
     if m.preset == 'custom':
@@ -255,8 +270,16 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   return created
 
 
+KINDS = {'vit': 'vit', 'bert_glue': 'bert-classification',
+         'bert_squad': 'bert-question_answering'}  # each entry point's model.kind
+
+
 def resolve_model(config, data, task: str = 'vit') -> models.Created:
   """The task's model: ViT, or BERT with a classification / QA head."""
+  kind = config.model.get('kind', KINDS.get(task))
+  if task in KINDS and kind != KINDS[task]:
+    raise ConfigError(f'model.kind names the model of this entry point, {KINDS[task]!r}; got '
+                      f'{kind!r} (another model needs another entry point)')
   if task == 'bert_glue':
     return _bert_model(config, data, 'bert-classification')
   if task == 'bert_squad':
@@ -369,6 +392,10 @@ def run(config, workdir: str | None, task: str,
   if not workdir and jax.process_count() > 1:  # before the data and the model load
     raise ConfigError('a run of several processes needs --workdir (the same folder for '
                       'every process)')
+  if jax.process_count() > 1 and task in ('bert_glue', 'bert_squad'):
+    # Before the data set is read and tokenized on every process.
+    raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
+                      f'batches); run it without distributed.coordinator')
   devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
   if jax.process_count() > 1 and data.evaluator is not None:

@@ -93,12 +93,20 @@ def load_tokenizer(path: str):
   from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import kept local
   try:
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
-  except (OSError, ValueError, TypeError) as e:
+  except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions too
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise TextConfigError(f'cannot load a tokenizer from {path!r}: {detail} (a model '
                           f'without one needs --config.model.tokenizer=<dir>)') from e
   if not tokenizer.is_fast:
     raise TextConfigError(f'the tokenizer of {path!r} is not a fast tokenizer (offsets needed)')
+  missing = [name for name in ('pad_token', 'cls_token', 'sep_token')
+             if getattr(tokenizer, f'{name}_id') is None]
+  if missing:
+    raise TextConfigError(f'the tokenizer of {path!r} has no {", ".join(missing)} (BERT inputs '
+                          f'need [CLS] ... [SEP] padded with [PAD])')
+  if tokenizer.padding_side != 'right':
+    raise TextConfigError(f'the tokenizer of {path!r} pads on the {tokenizer.padding_side}; '
+                          f'BERT tasks read [CLS] at position 0 (right padding)')
   return tokenizer
 
 
@@ -203,12 +211,24 @@ def _tokenize_squad(tokenizer, examples, max_seq_length: int, doc_stride: int):
   pad_right = tokenizer.padding_side == 'right'
   if not pad_right:
     raise TextConfigError('SQuAD features need a right-padding tokenizer (question first)')
+  # Windows hold [CLS] question [SEP] context [SEP]: the context's part must
+  # exceed the overlap, or the tokenizer cannot advance (it panics).
+  longest = max((len(ids) for ids in tokenizer(questions, add_special_tokens=False)['input_ids']),
+                default=0)
+  room = max_seq_length - 3 - longest
+  if doc_stride >= room:
+    raise TextConfigError(f'data.doc_stride={doc_stride} must be below the context room of a '
+                          f'window, max_seq_length={max_seq_length} - 3 - the longest question '
+                          f'({longest} tokens) = {room}; raise data.max_seq_length or lower '
+                          f'data.doc_stride')
   try:
     enc = tokenizer(questions, contexts, truncation='only_second', max_length=max_seq_length,
                     stride=doc_stride, return_overflowing_tokens=True,
                     return_offsets_mapping=True, padding='max_length',
                     return_token_type_ids=True, return_attention_mask=True)
-  except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
+  except BaseException as e:  # noqa: BLE001 - tokenizers raises bare Exceptions, and panics
+    if isinstance(e, (KeyboardInterrupt, SystemExit)):
+      raise
     raise TextConfigError(f'cannot split SQuAD contexts with max_seq_length={max_seq_length}, '
                           f'doc_stride={doc_stride}: {str(e).splitlines()[0]} (a question '
                           f'leaves no room; raise max_seq_length or lower doc_stride)') from e

@@ -44,7 +44,9 @@ class Predictor:
       model = trainer.model
       self._fn = jax.jit(lambda p, b: model.logits(p, b),
                          in_shardings=(NamedSharding(mesh, P()), batch_sharding))
-    loader = dataclasses.replace(trainer.eval_loader, batch_size=trainer.batch_size(trainer.plan))
+    # train.eval_batch_size (default: 4 x the starting batch), whatever the
+    # plan: one compiled forward for the run.
+    loader = dataclasses.replace(trainer.eval_loader, batch_size=trainer.eval_batch_size())
     keys = trainer.model.input_keys
     ids, outputs = [], []
     for batch_ids, batch in loader.epoch(0):

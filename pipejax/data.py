@@ -225,7 +225,10 @@ class ShardedLoader:
       ids = order[step * self.local_batch:(step + 1) * self.local_batch]
       count = len(ids)
       if count < self.local_batch:  # padding repeats real IDs (or the shard's first)
-        ids = np.resize(ids if count else order[:1], self.local_batch)
+        fill = ids if count else order[:1]
+        if not len(fill):  # an empty shard (fewer samples than shards): one this process reads
+          fill = self.ids[:1] if len(self.ids) else np.zeros(1, order.dtype)
+        ids = np.resize(fill, self.local_batch)
       out.append((ids, count))
     return out
 
@@ -239,7 +242,7 @@ class ShardedLoader:
     per_shard = [self._shard_batches(lo, epoch, start_step) for lo in self._loaders]
     for step in zip(*per_shard):
       ids = np.concatenate([i for i, _ in step])
-      self.served.update(ids.tolist())
+      self.served.update(np.concatenate([i[:count] for i, count in step]).tolist())  # not padding
       batch = self.source[ids]
       if not self.drop_remainder:
         batch['example_mask'] = np.concatenate(

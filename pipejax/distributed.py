@@ -60,8 +60,15 @@ def check_config(config) -> None:
     if c.num_processes < 1 or not 0 <= c.process_id < c.num_processes:
       raise DistributedError(f'distributed.process_id={c.process_id} must be in [0, '
                              f'num_processes={c.num_processes})')
+  if not c.coordinator and (c.num_processes != 1 or c.process_id != 0):
+    raise DistributedError(f'distributed.num_processes={c.num_processes} and process_id='
+                           f'{c.process_id} need distributed.coordinator (host:port, or auto); '
+                           f'without it every process would run the whole job alone')
   if c.data_shards < 0:
     raise DistributedError(f'distributed.data_shards must be >= 0, got {c.data_shards}')
+  if c.initialization_timeout_seconds < 1:
+    raise DistributedError(f'distributed.initialization_timeout_seconds must be >= 1, got '
+                           f'{c.initialization_timeout_seconds}')
   if c.heartbeat_timeout_seconds < 1:
     raise DistributedError(f'distributed.heartbeat_timeout_seconds must be >= 1, got '
                            f'{c.heartbeat_timeout_seconds}')
@@ -87,9 +94,15 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
   kwargs = {} if c.coordinator == 'auto' else dict(
       coordinator_address=c.coordinator, num_processes=c.num_processes,
       process_id=c.process_id)
-  jax.distributed.initialize(**kwargs, initialization_timeout=c.initialization_timeout_seconds,
-                             heartbeat_timeout_seconds=c.heartbeat_timeout_seconds,
-                             shutdown_timeout_seconds=c.heartbeat_timeout_seconds)
+  try:
+    jax.distributed.initialize(**kwargs,
+                               initialization_timeout=c.initialization_timeout_seconds,
+                               heartbeat_timeout_seconds=c.heartbeat_timeout_seconds,
+                               shutdown_timeout_seconds=c.heartbeat_timeout_seconds)
+  except ValueError as e:  # e.g. 'auto' outside a cluster JAX recognises
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise DistributedError(f'cannot join the job (distributed.coordinator={c.coordinator!r}): '
+                           f'{detail}') from e
   log(f'process {jax.process_index()} of {jax.process_count()} joined the job '
       f'({jax.local_device_count()} local devices, {jax.device_count()} in all)')
 

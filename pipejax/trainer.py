@@ -415,6 +415,7 @@ class Trainer:
         'epoch_done': epoch_done,
         'step': int(self.state['step']), 'devices': self.num_devices,
         'starting_batch_size': self.starting_batch_size,
+        'data_shards': self._data_shards(),
         'plan': {'frozen_layers': plan.partition.num_frozen_layers,
                  'stage_sizes': list(plan.partition.stage_sizes),
                  'min_slots': plan.partition.min_slots,
@@ -456,12 +457,25 @@ class Trainer:
              f'K={saved["pipeline_length"]} -> K={k}')
     return partition
 
+  def _data_shards(self) -> int:
+    """How many shards the training order is drawn over (1: the plain loader)."""
+    return int(getattr(self.train_loader, 'shards', 1))
+
   def check_resumable(self, meta: dict) -> None:
     """Raises :class:`pipejax.resume.CheckpointMismatch` when the checkpoint
     ``meta`` started from another global batch (``per_pipeline`` on other
     devices or another ``pipeline.initial_length``): its step count, schedule
-    and epoch position are in units of that batch. Cheap: callers check the
-    newest checkpoint before restoring anything."""
+    and epoch position are in units of that batch; or when it was saved
+    mid-epoch with the samples drawn over another number of data shards (the
+    epoch's order differs). Cheap: callers check the newest checkpoint before
+    restoring anything."""
+    saved_shards = meta.get('data_shards', self._data_shards())
+    if not meta['epoch_done'] and saved_shards != self._data_shards():
+      raise resume.CheckpointMismatch(
+          f'the checkpoint was saved in the middle of epoch {meta["epoch"]} with the samples '
+          f'drawn over {saved_shards} data shard(s), this run draws them over '
+          f'{self._data_shards()}: the rest of that epoch would repeat some samples and skip '
+          f'others; resume with --config.distributed.data_shards={saved_shards}')
     saved_batch = meta.get('starting_batch_size', self.starting_batch_size)
     if saved_batch != self.starting_batch_size:
       raise resume.CheckpointMismatch(

@@ -167,6 +167,46 @@ def test_squad_windows_label_the_answer_tokens():
     assert tokenizer.cls_token_id not in ids[in_context]
 
 
+def test_a_stride_a_long_question_leaves_no_room_for_is_one_clear_error():
+  """The tokenizer panics (a BaseException, not an error) when a question
+  leaves the context no more room than the overlap; refused before that."""
+  tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  question = ' '.join(['which'] * 17)
+  example = {'id': 'q', 'question': question, 'context': 'Paris is in France. ' * 20,
+             'answers': {'text': np.array(['Paris']), 'answer_start': np.array([0])}}
+  with pytest.raises(text_data.TextConfigError,
+                     match=r'data.doc_stride=13 must be below the context room of a window, '
+                           r'max_seq_length=32 - 3 - the longest question \(17 tokens\) = 12'):
+    text_data.squad_train_features(tokenizer, [example], 32, 13)
+  with pytest.raises(text_data.TextConfigError, match='doc_stride=13 must be below'):
+    text_data.squad_eval_features(tokenizer, [example], 32, 13)
+  assert len(text_data.squad_train_features(tokenizer, [example], 32, 11)['input_ids']) > 1
+
+
+def test_a_tokenizer_that_cannot_serve_the_model_is_one_clear_error(tmp_path):
+  """More tokens than the model embeds (their embeddings would be NaN), no
+  [PAD], or left padding ([CLS] is read at position 0)."""
+  import types  # noqa: PLC0415
+  from transformers import AutoTokenizer  # noqa: PLC0415
+  base = AutoTokenizer.from_pretrained(fixtures.minilm_dir())
+  grown = AutoTokenizer.from_pretrained(fixtures.minilm_dir())
+  grown.add_tokens(['zzz-new-token'])
+  grown.save_pretrained(str(tmp_path / 'grown'))
+  config = _tiny(bert_glue.get_config(), tmp_path, **{
+      'model.pretrained': fixtures.minilm_dir(), 'model.tokenizer': str(tmp_path / 'grown')})
+  data = types.SimpleNamespace(num_classes=2, max_seq_length=16)
+  with pytest.raises(elastic.ConfigError, match=f'has {len(base) + 1} tokens, the model '):
+    elastic.resolve_model(config, data, 'bert_glue')
+  left = AutoTokenizer.from_pretrained(fixtures.minilm_dir(), padding_side='left')
+  left.save_pretrained(str(tmp_path / 'left'))
+  with pytest.raises(text_data.TextConfigError, match='pads on the left'):
+    text_data.load_tokenizer(str(tmp_path / 'left'))
+  base.pad_token = None
+  base.save_pretrained(str(tmp_path / 'nopad'))
+  with pytest.raises(text_data.TextConfigError, match='has no pad_token'):
+    text_data.load_tokenizer(str(tmp_path / 'nopad'))
+
+
 # -- the real loading path on mocked TFDS -----------------------------------------------------
 
 def _tiny(config, tmp_path, **overrides):
@@ -278,6 +318,9 @@ def test_bert_squad_on_mock_tfds(tmp_path):
      'prepare it with: tfds build squad/v1.1 --file_format=array_record'),
     ('bert_squad', ['--config.data.doc_stride=400'], 'data.doc_stride must be in (0, '),
     ('bert_squad', ['--config.data.name=squad/v2.0'], "data.name must be 'squad/v1.1'"),
+    ('bert_squad', ['--config.data.n_best_size=0'], 'data.n_best_size must be >= 1, got 0'),
+    ('bert_glue', ['--config.model.preset=bert-large', '--config.freeze.min_active_layers=20'],
+     'glue/sst2 is not prepared'),  # 20 of bert-large's 24 blocks: not refused as > 12
     ('bert_glue', ['--config.model.no_such_key=1'], 'no_such_key'),
 ])
 def test_bad_input_is_one_line(tmp_path, module, args, message):

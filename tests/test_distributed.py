@@ -52,6 +52,22 @@ def test_shards_read_by_one_process_equal_the_processes_parts_in_order():
   assert not np.array_equal(parts[0].batch_ids(0)[0], parts[0].batch_ids(1)[0])
 
 
+def test_an_empty_evaluation_shard_pads_with_its_process_s_own_samples():
+  """Fewer samples than shards: an empty shard's padding reads a sample of
+  its own process (never another process's), masked, and is not recorded as
+  served."""
+  source = _source(3)
+  loaders = [ShardedLoader(source, 8, shards=4, local_shards=(2 * p, 2 * p + 1), seed=0,
+                           shuffle=False, drop_remainder=False) for p in (0, 1)]
+  for loader in loaders:
+    own = set(loader.ids.tolist())
+    for ids, batch in loader.epoch(0):
+      assert set(ids.tolist()) <= own, (ids, own)
+      assert set(ids[batch['example_mask'] > 0].tolist()) == loader.served
+  assert sorted(loaders[0].served | loaders[1].served) == [0, 1, 2]
+  assert not loaders[0].served & loaders[1].served
+
+
 def test_sharded_evaluation_counts_every_sample_once():
   source = _source(37)  # shards of 19 and 18: the short one is padded
   parts = [ShardedLoader(source, 8, shards=2, local_shards=(p,), shuffle=False,
@@ -109,6 +125,31 @@ def test_bad_distributed_config_is_one_line(key, value, message):
     config.distributed[key] = value
   with pytest.raises(distributed.DistributedError, match=message):
     distributed.check_config(config)
+
+
+@pytest.mark.parametrize('settings,message', [
+    ({'num_processes': 2, 'process_id': 1},
+     'num_processes=2 and process_id=1 need distributed.coordinator'),
+    ({'initialization_timeout_seconds': 0}, 'initialization_timeout_seconds must be >= 1'),
+])
+def test_a_job_of_several_processes_needs_its_coordinator(settings, message):
+  """Without a coordinator each host would run the whole job alone, into the
+  same workdir."""
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.distributed.update(settings)
+  with pytest.raises(distributed.DistributedError, match=message):
+    distributed.check_config(config)
+
+
+def test_auto_outside_a_cluster_is_one_line(tmp_path):
+  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                        f'--workdir={tmp_path / "w"}', '--config.distributed.coordinator=auto'],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.startswith("error: cannot join the job (distributed.coordinator='auto')")
+  assert 'Traceback' not in out.stderr + out.stdout
 
 
 # -- a job of two processes ------------------------------------------------------------------

@@ -247,6 +247,32 @@ def test_a_per_pipeline_checkpoint_is_refused_where_the_starting_batch_differs(t
   assert same.plan == saved.plan
 
 
+def test_a_mid_epoch_checkpoint_is_refused_where_the_data_shards_differ(tmp_path):
+  """Two shards (two hosts' order) saved mid-epoch, resumed with the plain
+  loader: the rest of the epoch would repeat and skip samples. At an epoch's
+  end the next epoch's order is the run's own: accepted."""
+  from pipejax.data import ShardedLoader  # noqa: PLC0415
+  config = _config(initial_length=4, micro_batches=4)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+
+  def trainer(loader):
+    return Trainer(created.model, created.params, config, str(tmp_path), loader,
+                   Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
+                   log=lambda _: None)
+
+  sharded = trainer(ShardedLoader(ArraySource(data), 16, 2, (0, 1), seed=0))
+  plain = trainer(Loader(ArraySource(data), 16, seed=0))
+  mid = sharded.checkpoint_meta(0, 2, False)
+  assert mid['data_shards'] == 2
+  with pytest.raises(resume.CheckpointMismatch,
+                     match=r'over 2 data shard\(s\), this run draws them over 1.*'
+                           r'--config.distributed.data_shards=2'):
+    plain.check_resumable(mid)
+  plain.check_resumable(sharded.checkpoint_meta(0, 4, True))
+  sharded.check_resumable(mid)
+
+
 def test_a_fixed_micro_batch_count_survives_transitions_whatever_the_profile_remembers():
   """``pipeline.micro_batches`` set: every plan runs that M, even where the
   shared profile file remembers another M for the new K (what a profiling

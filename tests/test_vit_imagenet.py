@@ -161,6 +161,8 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.model.hidden_size=30'], 'model.hidden_size=30 must be a multiple of '
                                         'model.num_heads=4'),
     (['--config.model.num_layers=0'], 'model.num_layers must be >= 1, got 0'),
+    (['--config.model.kind=bert-classification'], "model.kind names the model of this entry "
+                                                  "point, 'vit'"),
     (['--config.train.batch_mode=per_pipeline', '--config.train.batch_size=6',
       '--config.pipeline.initial_length=4'],
      'train.batch_size=6 must be a multiple of pipeline.initial_length=4 with '
