@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 import models
@@ -232,6 +233,33 @@ def _check_custom_model(m) -> None:
                       f'model.num_heads={m.num_heads}')
 
 
+def check_tokenizer_fits(config) -> None:
+  """Refuses, before any data is tokenized, a tokenizer with more tokens than
+  the pretrained model embeds (the embedding's gather gives NaN for the rest):
+  reads the model's config only, not its weights."""
+  m = config.model
+  if not m.pretrained:
+    return  # a preset is sized to its tokenizer
+  from transformers import AutoConfig  # noqa: PLC0415
+  try:
+    vocab = AutoConfig.from_pretrained(m.pretrained).vocab_size
+  except Exception:  # noqa: BLE001 - loading the model says what is wrong, in one line
+    return
+  words = len(text_data.load_tokenizer(_tokenizer_path(config)))
+  if words > vocab:
+    raise ConfigError(f'the tokenizer of {_tokenizer_path(config)!r} has {words} tokens, the '
+                      f'model {m.pretrained!r} embeds {vocab}: use the model\'s own tokenizer '
+                      f'(leave model.tokenizer empty)')
+
+
+def check_kind(config, task: str) -> None:
+  """``model.kind`` names the entry point's model; another one is refused."""
+  kind = config.model.get('kind', KINDS.get(task))
+  if task in KINDS and kind != KINDS[task]:
+    raise ConfigError(f'model.kind names the model of this entry point, {KINDS[task]!r}; got '
+                      f'{kind!r} (another model needs another entry point)')
+
+
 def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Created:
   """A pretrained BERT (``model.pretrained``) or a randomly initialised preset
   sized to the tokenizer's vocabulary."""
@@ -239,14 +267,12 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   if m.pretrained:
     created = _pretrained(kind, m.pretrained, data.num_classes)
     hf = created.model.hf_config
-    words = len(text_data.load_tokenizer(_tokenizer_path(config)))
-    if words > hf.vocab_size:  # the embedding's gather would give NaN for the rest
-      raise ConfigError(f'the tokenizer of {_tokenizer_path(config)!r} has {words} tokens, the '
-                        f'model {m.pretrained!r} embeds {hf.vocab_size}: use the model\'s own '
-                        f'tokenizer (leave model.tokenizer empty)')
-    if getattr(hf, 'type_vocab_size', 2) < 2:
-      raise ConfigError(f'model {m.pretrained!r} has {hf.type_vocab_size} token type(s); '
-                        f'sentence pairs need 2')
+    types = max((int(np.max(split.arrays['token_type_ids'])) + 1
+                 for split in (getattr(data, 'train', None), getattr(data, 'eval', None))
+                 if split is not None and len(split.arrays['token_type_ids'])), default=1)
+    if types > getattr(hf, 'type_vocab_size', 2):  # sentence pairs on a one-type model
+      raise ConfigError(f'model {m.pretrained!r} has {hf.type_vocab_size} token type(s); the '
+                        f'data use {types} (sentence pairs)')
   else:
     presets = [k for k, v in models.PRESETS.items() if v[0].startswith('bert')]
     if m.preset == 'custom':
@@ -276,10 +302,7 @@ KINDS = {'vit': 'vit', 'bert_glue': 'bert-classification',
 
 def resolve_model(config, data, task: str = 'vit') -> models.Created:
   """The task's model: ViT, or BERT with a classification / QA head."""
-  kind = config.model.get('kind', KINDS.get(task))
-  if task in KINDS and kind != KINDS[task]:
-    raise ConfigError(f'model.kind names the model of this entry point, {KINDS[task]!r}; got '
-                      f'{kind!r} (another model needs another entry point)')
+  check_kind(config, task)
   if task == 'bert_glue':
     return _bert_model(config, data, 'bert-classification')
   if task == 'bert_squad':
@@ -396,6 +419,9 @@ def run(config, workdir: str | None, task: str,
     # Before the data set is read and tokenized on every process.
     raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
                       f'batches); run it without distributed.coordinator')
+  check_kind(config, task)
+  if task in ('bert_glue', 'bert_squad'):
+    check_tokenizer_fits(config)
   devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
   if jax.process_count() > 1 and data.evaluator is not None:

@@ -211,16 +211,6 @@ def _tokenize_squad(tokenizer, examples, max_seq_length: int, doc_stride: int):
   pad_right = tokenizer.padding_side == 'right'
   if not pad_right:
     raise TextConfigError('SQuAD features need a right-padding tokenizer (question first)')
-  # Windows hold [CLS] question [SEP] context [SEP]: the context's part must
-  # exceed the overlap, or the tokenizer cannot advance (it panics).
-  longest = max((len(ids) for ids in tokenizer(questions, add_special_tokens=False)['input_ids']),
-                default=0)
-  room = max_seq_length - 3 - longest
-  if doc_stride >= room:
-    raise TextConfigError(f'data.doc_stride={doc_stride} must be below the context room of a '
-                          f'window, max_seq_length={max_seq_length} - 3 - the longest question '
-                          f'({longest} tokens) = {room}; raise data.max_seq_length or lower '
-                          f'data.doc_stride')
   try:
     enc = tokenizer(questions, contexts, truncation='only_second', max_length=max_seq_length,
                     stride=doc_stride, return_overflowing_tokens=True,
@@ -229,9 +219,18 @@ def _tokenize_squad(tokenizer, examples, max_seq_length: int, doc_stride: int):
   except BaseException as e:  # noqa: BLE001 - tokenizers raises bare Exceptions, and panics
     if isinstance(e, (KeyboardInterrupt, SystemExit)):
       raise
+    # A window holds [CLS] question [SEP] context [SEP]: where a context must
+    # be cut, its part must exceed the overlap, or the tokenizer cannot advance.
+    longest = max((len(ids) for ids in
+                   tokenizer(questions, add_special_tokens=False)['input_ids']), default=0)
+    room = max_seq_length - tokenizer.num_special_tokens_to_add(pair=True) - longest
+    if doc_stride >= room:
+      raise TextConfigError(f'data.doc_stride={doc_stride} must be below the context room of a '
+                            f'window, max_seq_length={max_seq_length} - special tokens - the '
+                            f'longest question ({longest} tokens) = {room}; raise '
+                            f'data.max_seq_length or lower data.doc_stride') from e
     raise TextConfigError(f'cannot split SQuAD contexts with max_seq_length={max_seq_length}, '
-                          f'doc_stride={doc_stride}: {str(e).splitlines()[0]} (a question '
-                          f'leaves no room; raise max_seq_length or lower doc_stride)') from e
+                          f'doc_stride={doc_stride}: {str(e).splitlines()[0]}') from e
   return enc, contexts
 
 

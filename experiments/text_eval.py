@@ -2,8 +2,9 @@
 
 :class:`GlueEvaluator` and :class:`SquadEvaluator` are ``evaluator``\\ s for
 :class:`pipejax.trainer.Trainer`: ``(trainer, canonical_params) -> dict``
-with ``eval_accuracy`` (the task's headline metric: accuracy, STS-B's mean of
-Pearson and Spearman correlation, SQuAD's F1 / 100) and task metrics. Logits
+with ``eval_accuracy`` (the metric the trainer tracks: accuracy, STS-B's mean
+of Pearson and Spearman correlation, SQuAD's F1 / 100; GLUE's own headline for
+CoLA, MRPC and QQP is among the task metrics) and task metrics. Logits
 come from the canonical parameters run data-parallel over all the trainer's
 devices (compiled once per run, whatever the pipeline plan).
 

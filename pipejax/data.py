@@ -227,6 +227,7 @@ class ShardedLoader:
       if count < self.local_batch:  # padding repeats real IDs (or the shard's first)
         fill = ids if count else order[:1]
         if not len(fill):  # an empty shard (fewer samples than shards): one this process reads
+          # (a process whose shards are all empty reads sample 0, masked: nothing else exists)
           fill = self.ids[:1] if len(self.ids) else np.zeros(1, order.dtype)
         ids = np.resize(fill, self.local_batch)
       out.append((ids, count))

@@ -176,11 +176,16 @@ def test_a_stride_a_long_question_leaves_no_room_for_is_one_clear_error():
              'answers': {'text': np.array(['Paris']), 'answer_start': np.array([0])}}
   with pytest.raises(text_data.TextConfigError,
                      match=r'data.doc_stride=13 must be below the context room of a window, '
-                           r'max_seq_length=32 - 3 - the longest question \(17 tokens\) = 12'):
+                           r'max_seq_length=32 - special tokens - the longest question '
+                           r'\(17 tokens\) = 12'):
     text_data.squad_train_features(tokenizer, [example], 32, 13)
   with pytest.raises(text_data.TextConfigError, match='doc_stride=13 must be below'):
     text_data.squad_eval_features(tokenizer, [example], 32, 13)
   assert len(text_data.squad_train_features(tokenizer, [example], 32, 11)['input_ids']) > 1
+  # A long question whose context needs no cut is no problem at that stride.
+  short = dict(example, context='Paris.', answers={'text': np.array(['Paris']),
+                                                   'answer_start': np.array([0])})
+  assert len(text_data.squad_train_features(tokenizer, [short], 32, 13)['input_ids']) == 1
 
 
 def test_a_tokenizer_that_cannot_serve_the_model_is_one_clear_error(tmp_path):
@@ -188,15 +193,34 @@ def test_a_tokenizer_that_cannot_serve_the_model_is_one_clear_error(tmp_path):
   [PAD], or left padding ([CLS] is read at position 0)."""
   import types  # noqa: PLC0415
   from transformers import AutoTokenizer  # noqa: PLC0415
+
+  class ArraySourceLike:
+    def __init__(self, token_type_ids):
+      self.arrays = {'token_type_ids': token_type_ids}
+
   base = AutoTokenizer.from_pretrained(fixtures.minilm_dir())
   grown = AutoTokenizer.from_pretrained(fixtures.minilm_dir())
   grown.add_tokens(['zzz-new-token'])
   grown.save_pretrained(str(tmp_path / 'grown'))
   config = _tiny(bert_glue.get_config(), tmp_path, **{
       'model.pretrained': fixtures.minilm_dir(), 'model.tokenizer': str(tmp_path / 'grown')})
-  data = types.SimpleNamespace(num_classes=2, max_seq_length=16)
   with pytest.raises(elastic.ConfigError, match=f'has {len(base) + 1} tokens, the model '):
-    elastic.resolve_model(config, data, 'bert_glue')
+    elastic.check_tokenizer_fits(config)
+  with config.unlocked():
+    config.model.tokenizer = ''
+  elastic.check_tokenizer_fits(config)  # the model's own
+  one_type = types.SimpleNamespace(num_classes=2, max_seq_length=16, train=ArraySourceLike(
+      np.array([[0, 1]])), eval=ArraySourceLike(np.array([[0, 0]])))
+  from models import create, config_for  # noqa: PLC0415
+  flat = config_for('bert-classification', vocab_size=len(base), hidden_size=16,
+                    num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                    type_vocab_size=1, num_labels=2)
+  create('bert-classification', flat).hf_class(flat, seed=0).save_pretrained(
+      str(tmp_path / 'flat'))
+  with config.unlocked():
+    config.model.pretrained = str(tmp_path / 'flat')
+  with pytest.raises(elastic.ConfigError, match="has 1 token type\\(s\\); the data use 2"):
+    elastic.resolve_model(config, one_type, 'bert_glue')
   left = AutoTokenizer.from_pretrained(fixtures.minilm_dir(), padding_side='left')
   left.save_pretrained(str(tmp_path / 'left'))
   with pytest.raises(text_data.TextConfigError, match='pads on the left'):
@@ -319,7 +343,9 @@ def test_bert_squad_on_mock_tfds(tmp_path):
     ('bert_squad', ['--config.data.doc_stride=400'], 'data.doc_stride must be in (0, '),
     ('bert_squad', ['--config.data.name=squad/v2.0'], "data.name must be 'squad/v1.1'"),
     ('bert_squad', ['--config.data.n_best_size=0'], 'data.n_best_size must be >= 1, got 0'),
-    ('bert_glue', ['--config.model.preset=bert-large', '--config.freeze.min_active_layers=20'],
+    ('bert_glue', ['--config.model.pretrained=', '--config.model.preset=bert-large',
+                   f'--config.model.tokenizer={fixtures.minilm_dir()}',
+                   '--config.freeze.min_active_layers=20'],
      'glue/sst2 is not prepared'),  # 20 of bert-large's 24 blocks: not refused as > 12
     ('bert_glue', ['--config.model.no_such_key=1'], 'no_such_key'),
 ])

@@ -54,8 +54,8 @@ def test_shards_read_by_one_process_equal_the_processes_parts_in_order():
 
 def test_an_empty_evaluation_shard_pads_with_its_process_s_own_samples():
   """Fewer samples than shards: an empty shard's padding reads a sample of
-  its own process (never another process's), masked, and is not recorded as
-  served."""
+  its own process (not another process's, unless it holds none), masked, and
+  is not recorded as served."""
   source = _source(3)
   loaders = [ShardedLoader(source, 8, shards=4, local_shards=(2 * p, 2 * p + 1), seed=0,
                            shuffle=False, drop_remainder=False) for p in (0, 1)]
