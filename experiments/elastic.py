@@ -141,7 +141,11 @@ def _tokenizer_path(config) -> str:
 
 def resolve_data(config, task: str = 'vit'):
   """The task's data set (:class:`datasets.Dataset` or
-  :class:`text_data.TextDataset`, with its evaluator for text tasks)."""
+  :class:`text_data.TextDataset`, with its evaluator for text tasks). The
+  model settings that can be refused without the data are, first."""
+  check_kind(config, task)
+  if task in ('bert_glue', 'bert_squad'):
+    check_tokenizer_fits(config)  # before any text is tokenized
   if task == 'bert_glue':
     name, _ = text_data.glue_task(config.data.name)
     data = text_data.glue(config.data.name, _tokenizer_path(config), config.data.max_seq_length,
@@ -301,8 +305,8 @@ KINDS = {'vit': 'vit', 'bert_glue': 'bert-classification',
 
 
 def resolve_model(config, data, task: str = 'vit') -> models.Created:
-  """The task's model: ViT, or BERT with a classification / QA head."""
-  check_kind(config, task)
+  """The task's model: ViT, or BERT with a classification / QA head
+  (``model.kind`` is checked by :func:`resolve_data`, which comes first)."""
   if task == 'bert_glue':
     return _bert_model(config, data, 'bert-classification')
   if task == 'bert_squad':
@@ -419,14 +423,8 @@ def run(config, workdir: str | None, task: str,
     # Before the data set is read and tokenized on every process.
     raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
                       f'batches); run it without distributed.coordinator')
-  check_kind(config, task)
-  if task in ('bert_glue', 'bert_squad'):
-    check_tokenizer_fits(config)
   devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
-  if jax.process_count() > 1 and data.evaluator is not None:
-    raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
-                      f'batches); run it without distributed.coordinator')
   created = resolve_model(config, data, task)
   model = created.model
   if config.freeze.min_active_layers > model.num_layers:

@@ -117,33 +117,31 @@ class DiskTier:
                 'dtype': dtype}
     found = self._manifest(manifest_path)
     leftover = found is not None or os.path.exists(self.path)
-    if (found is not None and found.get('identity') == identity
-        and {k: found.get(k) for k in expected} != expected):
-      # This run's own entries in another dtype or shape (a resume may change
-      # cache.*): only a speed-up, and a resume starts the cache empty anyway.
-      log(f'autocache: clearing {directory}: its entries are this run\'s in dtype '
-          f'{found.get("dtype")}, shape {found.get("entry_shape")}; now {dtype}, '
-          f'{list(self.entry_shape)}')
+    if leftover and (found is None or {k: found.get(k) for k in expected} != expected):
+      if found is not None and found.get('identity') == identity:
+        # This run's own entries in another dtype or shape (a resume may change
+        # cache.*): only a speed-up, and a resume starts the cache empty anyway.
+        log(f'autocache: clearing {directory}: its entries are this run\'s in dtype '
+            f'{found.get("dtype")}, shape {found.get("entry_shape")}; now {dtype}, '
+            f'{list(self.entry_shape)}')
+      else:
+        what = (f'{ENTRIES} without a readable {MANIFEST}: whose they are is unknown'
+                if found is None else
+                f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '
+                f'dtype {found.get("dtype")}')
+        if on_mismatch == 'refuse':
+          raise CacheMismatchError(
+              f'cache directory {directory} holds activations this run cannot trust ({what}; '
+              f'this run: identity {identity!r}, shape {list(self.entry_shape)}, dtype '
+              f'{dtype}); use a fresh directory (--config.cache.directory) or '
+              f'--config.cache.on_mismatch=clear')
+        log(f'autocache: clearing {directory}: it held another run\'s activations ({what})')
       for name in (ENTRIES, MANIFEST):
         if os.path.exists(os.path.join(directory, name)):
           os.remove(os.path.join(directory, name))
-    elif leftover and (found is None or {k: found.get(k) for k in expected} != expected):
-      what = (f'{ENTRIES} without a readable {MANIFEST}: whose they are is unknown'
-              if found is None else
-              f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '
-              f'dtype {found.get("dtype")}')
-      if on_mismatch == 'refuse':
-        raise CacheMismatchError(
-            f'cache directory {directory} holds activations this run cannot trust ({what}; '
-            f'this run: identity {identity!r}, shape {list(self.entry_shape)}, dtype '
-            f'{dtype}); use a fresh directory (--config.cache.directory) or '
-            f'--config.cache.on_mismatch=clear')
-      log(f'autocache: clearing {directory}: it held another run\'s activations ({what})')
-      for name in (ENTRIES, MANIFEST):
-        if os.path.exists(os.path.join(directory, name)):
-          os.remove(os.path.join(directory, name))
+    self.fd = -1
     try:
-      self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      self.open()
       if os.fstat(self.fd).st_size > self.slots * self.record_bytes:
         os.ftruncate(self.fd, self.slots * self.record_bytes)  # a smaller budget than last time
       tmp = manifest_path + '.tmp'

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from pipejax import diskcache
 from pipejax.partition import Partition, PartitionError, unit_block
 
 
@@ -351,10 +352,7 @@ def _read_keeping(path: str) -> dict[str, Any]:
       return {}
     if isinstance(e.__cause__, OSError):
       raise
-    aside, n = f'{path}.corrupt', 1
-    while os.path.exists(aside):
-      n += 1
-      aside = f'{path}.corrupt.{n}'
+    aside = diskcache.aside_name(path)
     try:
       os.replace(path, aside)
     except OSError as moved:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
-from pipejax import runtime
+from pipejax import diskcache, runtime
 
 
 class CheckpointError(RuntimeError):
@@ -156,10 +156,7 @@ class Checkpoints:
       raise error  # the machine's (or the devices') memory, not the checkpoint
     text = str(error).strip()
     detail = text.splitlines()[0][:200] if text else type(error).__name__
-    aside, n = self.path(step) + '.corrupt', 1
-    while os.path.exists(aside):  # an earlier one set aside is kept too
-      n += 1
-      aside = f'{self.path(step)}.corrupt.{n}'
+    aside = diskcache.aside_name(self.path(step))  # an earlier one set aside is kept too
     log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside} (rename it '
         f'back to try it again), trying the one before')
     if jax.process_index() == 0:

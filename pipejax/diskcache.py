@@ -1,6 +1,7 @@
 """Housekeeping shared by the on-disk caches (the program store, the
-initialisation cache): the library versions in their keys,
-least-recently-used trimming, quiet touching and removal."""
+initialisation cache) and the run's files: the library versions in their
+keys, least-recently-used trimming, quiet touching and removal, the name a
+damaged file is set aside under."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -19,6 +20,16 @@ def versions(libraries: tuple[str, ...]) -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
       out[lib] = 'absent'
   return out
+
+
+def aside_name(path: str) -> str:
+  """The first free ``<path>.corrupt``, ``<path>.corrupt.2``, … : where a
+  damaged file or directory is moved, keeping any set aside before."""
+  aside, n = f'{path}.corrupt', 1
+  while os.path.exists(aside):
+    n += 1
+    aside = f'{path}.corrupt.{n}'
+  return aside
 
 
 def touch(path: str) -> None:

@@ -699,8 +699,7 @@ class Trainer:
         self.prepare_next(batch)
       if after_step is not None and steps < loader.steps_per_epoch():
         after_step(epoch, steps)
-    sums = np.asarray(self.state['sums'])
-    self.check_not_diverged(epoch)
+    sums, _ = self.check_not_diverged(epoch)
     seconds = time.perf_counter() - start
     if first_step_seconds is not None and self.transitions:
       mean_step = (seconds - transition_seconds) / max(steps, 1)
@@ -719,19 +718,22 @@ class Trainer:
     if not math.isfinite(loss_sum):
       raise LossNotFinite(loss_sum, epoch, step)
 
-  def check_not_diverged(self, epoch: int) -> None:
+  def check_not_diverged(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """Raises :class:`LossNotFinite` if this epoch's loss sum or a block's
     gradient norm accumulated since the last freeze decision is not finite.
     Run before every checkpoint: a step whose loss was finite can still
     have applied a non-finite gradient, which only the norms show (the next
-    step's loss would, but that step may come after a save)."""
+    step's loss would, but that step may come after a save). Returns the
+    running sums and the norms it read (on the host)."""
     step = int(self.state['step'])
-    self._check_finite(float(np.asarray(self.state['sums'])[0]), epoch, step)
+    sums = np.asarray(self.state['sums'])
+    self._check_finite(float(sums[0]), epoch, step)
     norms = np.asarray(self.state['layer_norms'])
     bad = np.flatnonzero(~np.isfinite(norms))
     if bad.size:
       raise LossNotFinite(float(norms[bad[0]]), epoch, step,
                           what=f'the gradient norm of block {int(bad[0])}')
+    return sums, norms
 
   def evaluate(self, params: Params | None = None) -> dict[str, float]:
     """Evaluation metrics, at least ``{'eval_accuracy': ...}``, on the eval
@@ -925,8 +927,7 @@ class Trainer:
     state and compile (or take what :meth:`prepare_next` compiled). Returns the
     seconds spent."""
     start = time.perf_counter()
-    self.check_not_diverged(epoch)  # Eq. 1 on NaN norms would freeze arbitrary blocks
-    norms = np.asarray(self.state['layer_norms'])
+    _, norms = self.check_not_diverged(epoch)  # Eq. 1 on NaN norms would freeze arbitrary blocks
     decision = self.policy.decide(norms, step=int(self.state['step']))
     self.log('  ' + decision.describe() + (
         f'; norms {np.array2string(norms, precision=3, max_line_width=200)}'

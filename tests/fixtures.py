@@ -77,6 +77,20 @@ def override(config, overrides: dict) -> None:
     node[leaf] = value
 
 
+def check_refuses_a_used_workdir(main, tmp_path, capsys) -> None:
+  """A benchmark's ``main(argv)`` refuses, in one line and exit 2, a
+  ``--workdir`` that holds files, is a file or lies below one; it touches
+  nothing there."""
+  (tmp_path / 'old.json').write_text('{}')
+  assert main(['--workdir', str(tmp_path)]) == 2
+  assert 'not an empty directory' in capsys.readouterr().err
+  for path in (tmp_path / 'old.json', tmp_path / 'old.json' / 'sub'):  # a file; below one
+    assert main(['--workdir', str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: ') and err.count('\n') == 1, err
+  assert (tmp_path / 'old.json').read_text() == '{}'
+
+
 def check_run_outputs(workdir: str, epochs: int, summary_keys: tuple[str, ...] = ()):
   """Asserts a run's outputs (metrics rows, summary, plot, checkpoints);
   returns ``(rows, summary)``."""

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from experiments import bench_elastic
+from tests import fixtures
 
 
 def _result(total, policy_none, accuracy):
@@ -110,11 +111,4 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
 
 
 def test_refuses_a_used_workdir(tmp_path, capsys):
-  (tmp_path / 'old.json').write_text('{}')
-  assert bench_elastic.main(['--workdir', str(tmp_path)]) == 2
-  assert 'not an empty directory' in capsys.readouterr().err
-  for path in (tmp_path / 'old.json', tmp_path / 'old.json' / 'sub'):  # a file; below one
-    assert bench_elastic.main(['--workdir', str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith('error: ') and err.count('\n') == 1, err
-  assert (tmp_path / 'old.json').read_text() == '{}'
+  fixtures.check_refuses_a_used_workdir(bench_elastic.main, tmp_path, capsys)

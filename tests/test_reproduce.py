@@ -171,14 +171,7 @@ def test_config_file_and_overrides_pass_through_to_every_run(tmp_path, monkeypat
 
 
 def test_refuses_a_used_workdir(tmp_path, capsys):
-  (tmp_path / 'old.json').write_text('{}')
-  assert reproduce.main(['--workdir', str(tmp_path)]) == 2
-  assert 'not an empty directory' in capsys.readouterr().err
-  for path in (tmp_path / 'old.json', tmp_path / 'old.json' / 'sub'):  # a file; below one
-    assert reproduce.main(['--workdir', str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith('error: ') and err.count('\n') == 1, err
-  assert (tmp_path / 'old.json').read_text() == '{}'
+  fixtures.check_refuses_a_used_workdir(reproduce.main, tmp_path, capsys)
 
 
 TINY = {'data.name': 'digits', 'model.num_layers': 4, 'model.hidden_size': 16,
