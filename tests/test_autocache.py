@@ -91,7 +91,7 @@ def test_fp32_entries_are_exact_and_hit_the_second_epoch(tmp_path):
   batches = epoch_batches(32, 8, 1)
   second = run_epoch(cache, fake, batches)
   assert fake.computed == []  # every sample served from memory or disk
-  for ids, got in zip(batches, second):
+  for ids, got in zip(batches, second, strict=True):
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, fake.direct(ids, 3))
   stats = cache.stats()
@@ -143,7 +143,7 @@ def test_each_sample_passes_each_frozen_layer_once(tmp_path, eager):
   for epoch, depth in enumerate([0, 4, 4, 6, 9]):
     cache.advance(depth, fake.advance_fn if eager else None, batch_size=5)
     batches = epoch_batches(n, batch, epoch)
-    for ids, got in zip(batches, run_epoch(cache, fake, batches)):
+    for ids, got in zip(batches, run_epoch(cache, fake, batches), strict=True):
       np.testing.assert_array_equal(got, fake.direct(ids, depth))
   assert cache.stats()['layer_passes'] == n * 9 == fake.passes.sum()
   np.testing.assert_array_equal(fake.passes, np.ones((n, LAYERS)))
@@ -257,7 +257,7 @@ def test_real_vit_prefix_through_the_cache(tmp_path):
   def compute_fn(batch_ids, depth):
     def compute(rows):
       out = np.asarray(prefix(data[batch_ids[rows]], depth))
-      computed.update(zip(batch_ids[rows].tolist(), out))
+      computed.update(zip(batch_ids[rows].tolist(), out, strict=True))
       return out
     return compute
   advance = lambda ids, h, d0, d1: np.asarray(blocks(h, d0, d1))  # noqa: E731
@@ -266,7 +266,7 @@ def test_real_vit_prefix_through_the_cache(tmp_path):
     cache.advance(depth, advance, batch_size=8)
     got = [cache.fetch(ids, compute_fn(ids, depth), advance) for ids in batches]
     if depth == 2 and computed:
-      for ids, g in zip(batches, got):
+      for ids, g in zip(batches, got, strict=True):
         np.testing.assert_array_equal(g, np.stack([computed[i] for i in ids.tolist()]))
   np.testing.assert_allclose(np.concatenate(got), prefix(data, 5), rtol=0, atol=1e-5)
   assert cache.stats()['layer_passes'] == 16 * 5 and cache.stats()['repeated_layer_passes'] == 0
@@ -290,7 +290,7 @@ def test_budgets_hold_when_everything_does_not_fit(tmp_path):
   assert os.path.getsize(tmp_path / 'cache' / 'entries.bin') <= cache.disk_bytes
   uncached = set(range(n)) - set(np.nonzero(cache.contains(np.arange(n)))[0].tolist())
   fake.computed.clear()
-  for ids, got in zip(batches, run_epoch(cache, fake, batches)):
+  for ids, got in zip(batches, run_epoch(cache, fake, batches), strict=True):
     np.testing.assert_array_equal(got, fake.direct(ids, 3))
   assert set(np.concatenate(fake.computed).tolist()) == uncached  # recomputed, nothing else
   assert set(cache.repeated_samples().tolist()) == uncached
@@ -480,6 +480,7 @@ def wait_staged(cache, ids, seconds=20.0):
   deadline = time.monotonic() + seconds
   while not want <= set(cache._staged) and time.monotonic() < deadline:  # noqa: SLF001
     time.sleep(0.005)
+  assert want <= set(cache._staged), f'not staged within {seconds}s'  # noqa: SLF001
 
 
 def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
@@ -511,6 +512,7 @@ def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
 def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
   n = 32
   fake = FakePrefix(n)
+  threads = threading.active_count()
   cache = _filled(tmp_path, fake, n, memory_bytes=8 * ENTRY, disk_bytes=1 << 20,
                   prefetch_bytes=8 * ENTRY)
   victim = int(np.nonzero(cache._tier == 2)[0][3])  # noqa: SLF001
@@ -523,7 +525,8 @@ def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
   deadline = time.monotonic() + 20
   while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
     time.sleep(0.005)
-  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001 - full: 0 (and 1) staged
+  # Full within 20 s: batch 0 (and 1) staged.
+  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001
   cache.fetch(batches[2], fake.compute_fn(batches[2], 4))  # jumps ahead: 0 and 1 released
   ahead = np.concatenate(batches[3:])
   on_disk = int(np.sum((cache._tier[ahead] == 2) & (ahead != victim)))  # noqa: SLF001
@@ -539,7 +542,7 @@ def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
   assert cache.stats()['corrupt'] == 1
   assert cache.stats()['peak_bytes_in_memory'] <= 8 * ENTRY
   cache.close()
-  assert threading.active_count() < 50
+  assert threading.active_count() == threads  # the prefetcher's thread ended with close()
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -661,7 +664,7 @@ def test_loader_batch_ids_match_its_epochs():
       served = list(loader.epoch(1, start))
       planned = loader.batch_ids(1, start)
       assert len(served) == len(planned)
-      for (ids, batch), want in zip(served, planned):
+      for (ids, batch), want in zip(served, planned, strict=True):
         np.testing.assert_array_equal(ids, want)
         np.testing.assert_array_equal(batch['x'], want * 10)
   last_ids, last = list(Loader(source, 5, shuffle=False, drop_remainder=False).epoch(0))[-1]
@@ -678,7 +681,8 @@ def test_keep_caching_only_after_a_filled_cache_won():
   for previous, depth in ((None, 6), (empty, 6), (lost, 6), (filled, 4), (filled, 3)):
     assert keep_caching(previous, depth, epochs_ahead=2) is None
   kept = keep_caching(filled, 6, epochs_ahead=2)
-  assert (kept.num_frozen_layers, kept.use_cache, kept.filled, kept.measured_at) == (6, True, True, 4)
+  assert (kept.num_frozen_layers, kept.use_cache, kept.filled, kept.measured_at) == (
+      6, True, True, 4)
   assert kept.seconds_with == pytest.approx(0.004) and kept.seconds_without == pytest.approx(0.2)
   assert 'F=6: use the cache (not re-measured: at F=4' in kept.describe()
   # A chain keeps the depth that was measured.

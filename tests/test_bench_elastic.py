@@ -17,7 +17,7 @@ def _result(total, policy_none, accuracy):
            'step': 10 * (e + 1), 'cache': False, 'epoch_seconds': 2.0 if kk == 4 else 1.0,
            'transition_seconds': 0.0 if policy_none else 0.5, 'eval_seconds': 0.25,
            'checkpoint_seconds': 0.1, 'wall_seconds': 3.0 * (e + 1), 'eval_accuracy': accuracy}
-          for e, (f, kk, r) in enumerate(zip(frozen, k, replicas))]
+          for e, (f, kk, r) in enumerate(zip(frozen, k, replicas, strict=True))]
   summary = {'total_seconds': total, 'final_eval_accuracy': accuracy, 'num_layers': 4,
              'config': {'train': {'batch_size': 8, 'batch_mode': 'constant'}}}
   return {'summary': summary, 'rows': rows, 'process_seconds': total + 3.0}

@@ -3,6 +3,7 @@ prefix, and no sample through a frozen layer twice."""
 import numpy as np
 import pytest
 
+from pipejax.autocache import ActivationCache
 from pipejax.data import ArraySource
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 
@@ -57,8 +58,10 @@ def test_bfloat16_entries_bound(uncached):
   _, plain, _ = uncached
   _, cached, _ = _run('on', dtype='bfloat16')
   # bf16 rounds each stored value by ≤ 2^-8 relative; through the remaining
-  # blocks and a few steps this moves the epoch losses by well under 1%.
-  np.testing.assert_allclose(cached, plain, rtol=1e-2)
+  # blocks and a few steps the epoch losses moved by 4.7e-6 relative
+  # (measured); swapping two samples' entries in every batch moved them by
+  # 6.8e-5, so the bound sits between the two.
+  np.testing.assert_allclose(cached, plain, rtol=2e-5)
   assert not np.array_equal(cached[1:], plain[1:])  # the rounding is real
 
 
@@ -104,6 +107,9 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
     return decide(self, plan, *args)
 
   monkeypatch.setattr(FrozenPrefix, '_decide', counted)
+  # The cache's reads and writes timed as (nearly) free, so the first timed
+  # decision chooses the cache whatever this machine's load does to timings.
+  monkeypatch.setattr(ActivationCache, 'measure_io', lambda self, hidden: (1e-9, 1e-9))
   config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=4)
   with config.unlocked():
     config.cache.update(policy='profile')
@@ -246,7 +252,7 @@ def test_a_prefix_the_filled_cache_serves_is_not_loaded_ahead_but_on_a_call(tmp_
   losses, bits, trainer = _cached_run(tmp_path, True, monkeypatch)  # loads eager's programs
   assert [t.frozen_layers for t in trainer.transitions] == [3, 4, 5]
   assert losses == want_losses and len(bits) == len(want_bits)
-  for got, want in zip(bits, want_bits):
+  for got, want in zip(bits, want_bits, strict=True):
     np.testing.assert_array_equal(got, want)
   ahead = {key[1][0] for key in eager.prefix._compiled if key[0] == 'prefix'}
   lazy = {key[1][0] for key in trainer.prefix._compiled if key[0] == 'prefix'}

@@ -1,4 +1,6 @@
 """The freeze algorithm: Figure 4 curves and hand-computed Eq. 1 cases."""
+import math
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,9 @@ def test_schedule_policy_reproduces_figure_4(alpha):
   L = 24
   policy = freeze.FreezePolicy('schedule', L, alpha, min_active_layers=1)
   got = [0] + [policy.decide(None).result for _ in range(8)]
-  expected = freeze.schedule_curve(L, alpha, 8)
+  # Figure 4's closed form, floor(L (1 − (1 − α)^T)); the policy iterates the bound.
+  expected = [math.floor(L * (1 - (1 - alpha) ** t) + 1e-9) for t in range(9)]
+  assert freeze.schedule_curve(L, alpha, 8) == expected
   # The cap keeps one layer trainable.
   assert got == [min(x, L - 1) for x in expected]
   # Worked by hand, floor(24 (1 − (1 − α)^T)) for T = 1..4, independent of

@@ -25,7 +25,7 @@ def test_layered_logits_equal_hf(kind):
                    params=hf_params)
     ref = (out.start_logits, out.end_logits) if kind == 'bert-question_answering' else out.logits
   ours = jax.jit(created.model.logits)(created.params, batch)
-  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
     assert a.shape == b.shape
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
@@ -36,7 +36,7 @@ def test_hf_tree_round_trip_is_exact(kind):
   hf_params = created.hf_class(created.model.hf_config, seed=3).params
   back = created.model.to_hf(created.model.from_hf(hf_params))
   assert jax.tree.structure(back) == jax.tree.structure(hf_params)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(hf_params)):
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(hf_params), strict=True):
     np.testing.assert_array_equal(a, b)
 
 
@@ -118,7 +118,8 @@ def test_pretrained_vit_from_local_directory(tmp_path):
   hf = created.hf_class(created.model.hf_config, seed=7)
   hf.save_pretrained(str(tmp_path))
   loaded = models.create('vit', pretrained=str(tmp_path))
-  for a, b in zip(jax.tree.leaves(loaded.model.to_hf(loaded.params)), jax.tree.leaves(hf.params)):
+  for a, b in zip(jax.tree.leaves(loaded.model.to_hf(loaded.params)), jax.tree.leaves(hf.params),
+                  strict=True):
     np.testing.assert_array_equal(a, b)
   relabelled = models.create('vit', pretrained=str(tmp_path), num_labels=3)
   assert relabelled.params['head']['classifier']['kernel'].shape[-1] == 3

@@ -78,7 +78,7 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
   got = _canonical(grads, partition, params)
   assert _max_err(got, ref_grads) <= 1e-5
   # Grads come back in the layout and sharding of the parameters.
-  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(stage_params)):
+  for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(stage_params), strict=True):
     assert g.shape == p.shape
   assert grads['attention'][next(iter(grads['attention']))]  # non-empty tree
   assert pipe.trace_count == 1
@@ -258,7 +258,7 @@ def test_freeze_event_at_the_same_length_reuses_the_program_exactly():
   assert float(loss) == float(own_loss)
   width = narrow.tables.num_slots
   for key in ('attention', 'mlp'):
-    for g, own in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(own_grads[key])):
+    for g, own in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(own_grads[key]), strict=True):
       g = np.asarray(g)
       np.testing.assert_array_equal(g[:, :width], np.asarray(own))
       assert np.all(g[:, width:] == 0.0)  # padding: exactly zero, and not NaN
@@ -285,7 +285,8 @@ def test_both_exchanges_give_the_same_step_bit_for_bit(kind, k, schedule, sizes)
     out[exchange] = jax.device_get(step(stage_params, batch, jax.random.PRNGKey(0)))
     texts[exchange] = step.jitted.lower(stage_params, batch, jax.random.PRNGKey(0),
                                         step.tables).as_text()
-  for a, b in zip(jax.tree.leaves(out['ppermute']), jax.tree.leaves(out['all_gather'])):
+  for a, b in zip(jax.tree.leaves(out['ppermute']), jax.tree.leaves(out['all_gather']),
+                  strict=True):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
   assert np.isfinite(float(out['all_gather'][0]))
   ops = {e: re.findall(r'stablehlo\.(collective_permute|all_gather)\b', t)

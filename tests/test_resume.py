@@ -82,7 +82,7 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
   assert 'resuming from' in out and 'resumed at step 6 (epoch 1, 3/3 batches)' in out
   rows = _rows(workdir)
   assert len(rows) == 3
-  for got, want in zip(rows, expected):
+  for got, want in zip(rows, expected, strict=True):
     assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}
   assert summary['final_eval_accuracy'] == expected[-1]['eval_accuracy']
   assert len(summary['freeze_decisions']) == 2 and len(summary['transitions']) == 2
@@ -164,7 +164,7 @@ def test_replicated_state_is_saved_from_one_replica_and_restores_exactly(tmp_pat
                           state)
   restored, meta, _ = checkpoints.Checkpoints(str(tmp_path)).restore(lambda _: abstract)
   assert meta == {'n': 3}
-  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(host)):
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(host), strict=True):
     assert np.asarray(got).dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -458,7 +458,7 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
   rows = _rows(workdir)
   assert len(rows) == len(expected) == 3
   close = ('train_loss', 'train_accuracy', 'eval_accuracy')
-  for got, want in zip(rows, expected):
+  for got, want in zip(rows, expected, strict=True):
     assert ({k: got[k] for k in EXACT if k not in close} ==
             {k: want[k] for k in EXACT if k not in close})
     np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=1e-6)

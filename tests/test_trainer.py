@@ -73,12 +73,14 @@ def test_frozen_parameters_bit_identical_after_adamw_steps():
   for epoch in (1, 2, 3):
     trainer.train_epoch(epoch, _Bar())
   assert _bits(trainer.state['frozen']) != [] and all(
-      np.array_equal(a, b) for a, b in zip(_bits(trainer.state['frozen']), frozen_before))
+      np.array_equal(a, b)
+      for a, b in zip(_bits(trainer.state['frozen']), frozen_before, strict=True))
   assert not all(np.array_equal(a, b) for a, b in zip(_bits(trainer.state['active']),
-                                                      active_before))
+                                                      active_before, strict=True))
   after = trainer.canonical_params()
   for key in ('attention', 'mlp'):
-    for a, b in zip(jax.tree.leaves(after[key]), jax.tree.leaves(canonical_before[key])):
+    for a, b in zip(jax.tree.leaves(after[key]), jax.tree.leaves(canonical_before[key]),
+                    strict=True):
       np.testing.assert_array_equal(np.asarray(a)[:2], np.asarray(b)[:2])
       assert not np.array_equal(np.asarray(a)[2:], np.asarray(b)[2:])
   np.testing.assert_array_equal(after['embed']['cls_token'], canonical_before['embed']['cls_token'])
@@ -111,13 +113,13 @@ def test_transition_keeps_moments_step_rng_and_head():
   np.testing.assert_array_equal(np.asarray(trainer.state['rng']), rng)
   for new, old in ((mu2, mu), (nu2, nu)):
     for key in ('attention', 'mlp'):
-      for a, b in zip(jax.tree.leaves(new[key]), jax.tree.leaves(old[key])):
+      for a, b in zip(jax.tree.leaves(new[key]), jax.tree.leaves(old[key]), strict=True):
         np.testing.assert_array_equal(np.asarray(a)[3:], np.asarray(b)[3:])
-    for a, b in zip(jax.tree.leaves(new['head']), jax.tree.leaves(old['head'])):
+    for a, b in zip(jax.tree.leaves(new['head']), jax.tree.leaves(old['head']), strict=True):
       np.testing.assert_array_equal(a, b)
   assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(mu2['head']))
   after = trainer.canonical_params()
-  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params)):
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params), strict=True):
     np.testing.assert_array_equal(a, b)  # the move itself changes no weight
   # The state now lives on the new mesh.
   leaf = jax.tree.leaves(trainer.state['active']['attention'])[0]
@@ -479,10 +481,11 @@ def test_a_failure_before_the_first_epoch_still_shuts_the_background_thread(monk
 def test_evaluation_is_compiled_ahead_kept_in_the_store_and_counts_every_sample(tmp_path,
                                                                                monkeypatch):
   """run() compiles the evaluation forward (and the portable-state program
-  it reads) in the background thread while the first epoch trains; a later trainer of the same run loads it from the
-  program store without tracing the model; the accuracy is the model's own
-  count over the whole eval set (40 samples: one batch of 4 x 16, padded), and
-  the same in batches of 8 (train.eval_batch_size)."""
+  it reads) in the background thread while the first epoch trains; a later
+  trainer of the same run loads it from the program store without tracing the
+  model; the accuracy is the model's own count over the whole eval set (40
+  samples: one batch of 4 x 16, padded), and the same in batches of 8
+  (train.eval_batch_size)."""
   from pipejax import programs as programs_lib  # noqa: PLC0415
   config = _config(epochs=1)
   created = fixtures.tiny('vit', num_layers=4)
@@ -594,7 +597,19 @@ def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy
                     Loader(ArraySource(data), 16, seed=0),
                     Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
                     log=lambda _: None)
-  bars, frozen_objects = [], []
+  bars, frozen_objects, compiled, depths = [], [], [], []
+  compile_step, change_depth = trainer._compile_step, trainer.prefix.change_depth  # noqa: SLF001
+
+  def spy_compile(plan, state_shapes, feed):  # ahead (background thread) or at a transition
+    compiled.append((plan.partition.pipeline_length,
+                     {x.shape[0] for x in jax.tree.leaves(feed)}))
+    return compile_step(plan, state_shapes, feed)
+
+  def spy_depth(plan, frozen, sample_batch, batch_size, epochs_ahead):
+    depths.append((plan.partition.num_frozen_layers, batch_size))
+    return change_depth(plan, frozen, sample_batch, batch_size, epochs_ahead)
+
+  trainer._compile_step, trainer.prefix.change_depth = spy_compile, spy_depth  # noqa: SLF001
 
   def progress(epoch, steps):
     bars.append(steps)
@@ -612,14 +627,19 @@ def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy
   # a step of R = 4 holds two starting batches, so the 10 steps are 12 base
   # steps, the schedule's whole length (3 epochs of 4), and the decay ends.
   steps = np.diff([0] + [r['step'] for r in rows])
-  base = sum(int(n) * r['replicas'] // rows[0]['replicas'] for n, r in zip(steps, rows))
+  base = sum(int(n) * r['replicas'] // rows[0]['replicas']
+             for n, r in zip(steps, rows, strict=True))
   assert trainer.steps_per_epoch == 4 and base == 12
   assert trainer.base_steps_done() == base
   assert float(trainer.lr(trainer.base_steps_done())) == 0.0
   assert float(trainer.lr(int(trainer.state['step']))) > 0.0  # where counting steps stopped
   assert all(np.isfinite(r['train_loss']) for r in rows)
   assert len(trainer._eval) == 1  # noqa: SLF001
-  assert trainer.prefix.decisions  # a caching decision was timed on the plan's batch
+  # Each depth's cache decision, and every step program, sized for its plan's batch.
+  assert depths == [(2, 16), (3, 32)] and trainer.prefix.local_batch_size == 32
+  assert [d.num_frozen_layers for d in trainer.prefix.decisions] == [2, 3]
+  assert {k for k, _ in compiled} == {4, 2}
+  assert all(sizes == ({16} if k == 4 else {32}) for k, sizes in compiled), compiled
 
 
 def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
@@ -638,7 +658,7 @@ def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
     ref_updates, ref_state = reference.update(grads, ref_state, ref_params)
     ours, ref_params = optax.apply_updates(ours, updates), optax.apply_updates(ref_params,
                                                                               ref_updates)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref_params)):
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref_params), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert jax.tree.structure(state) == jax.tree.structure(ref_state)
   assert int(trainer_lib.schedule_count(state)) == 4
@@ -649,8 +669,31 @@ def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
   assert int(doubled[0].count) == 5
   adam, _ = optax.scale_by_adam().update(grads, state[0], ours)
   expected = jax.tree.map(lambda a, p: -lr(4) * (a + config.train.weight_decay * p), adam, ours)
-  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_learning_rate_schedule_is_linear_warmup_then_cosine_to_zero():
+  """The schedule against its formula, written out here: linear from 0 to the
+  peak over ``warmup_epochs`` of base steps, then a half cosine to 0 at the
+  last step of the last epoch."""
+  config = _config(epochs=3)
+  with config.unlocked():
+    config.train.update(warmup_epochs=1.0, learning_rate=0.5)
+  lr, _ = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  peak, warmup, total = 0.5, 5, 15
+  for k in range(total + 1):
+    if k <= warmup:
+      expected = peak * k / warmup
+    else:
+      expected = peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
+    assert float(lr(k)) == pytest.approx(expected, rel=1e-6, abs=1e-7), k
+  # No warm-up asked for: one step of it (optax needs one), then the decay.
+  with config.unlocked():
+    config.train.warmup_epochs = 0.0
+  lr, _ = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  assert float(lr(0)) == 0.0 and float(lr(1)) == pytest.approx(peak)
+  assert float(lr(total)) == 0.0
 
 
 def test_a_failed_evaluation_compile_is_raised_again_not_left_pending(monkeypatch):
@@ -679,8 +722,11 @@ def test_a_failed_evaluation_compile_is_raised_again_not_left_pending(monkeypatc
 def test_the_next_plan_is_prepared_at_the_lowest_cpu_priority():
   """Compile-ahead must fill idle cores, not slow the steps: its thread runs at
   nice 19 while the training thread keeps its own priority."""
+  def mine():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+  before = mine()
+  assert before < 19, 'run the test below nice 19: it could not tell the threads apart'
   trainer, _ = _trainer(_config())
-  mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-  theirs = trainer._pool.submit(  # noqa: SLF001
-      lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
-  assert theirs == 19 and mine == os.getpriority(os.PRIO_PROCESS, 0)  # ours unchanged
+  theirs = trainer._pool.submit(mine).result()  # noqa: SLF001
+  assert theirs == 19 and mine() == before  # the training thread's own priority is unchanged

@@ -94,7 +94,7 @@ def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
                        text=True, timeout=300, check=True)
   assert out.stdout.splitlines()[-1].split() == ['digits', 'False']
   assert f'ImageNet not found (no prepared imagenet2012 in {empty})' in out.stdout + out.stderr
-  pytest.importorskip('tensorflow_datasets')  # the rest goes through TFDS
+  # The rest goes through TFDS.
   looks_prepared = tmp_path / 'tfds' / 'imagenet2012' / '5.1.0'
   looks_prepared.mkdir(parents=True)
   (looks_prepared / 'dataset_info.json').write_text('{}')
@@ -127,7 +127,7 @@ def test_a_missing_tensorflow_datasets_is_one_data_set_error(tmp_path, monkeypat
 
 
 def test_imagenet_path_on_mock_tfds(tmp_path):
-  tfds = pytest.importorskip('tensorflow_datasets')
+  import tensorflow_datasets as tfds  # noqa: PLC0415 - slow to import
   config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
                                 'data.data_dir': str(tmp_path / 'tfds'),
                                 'model.preset': 'custom', 'model.num_layers': 4,
@@ -259,7 +259,7 @@ def test_a_pretrained_vit_from_a_local_directory_trains(tmp_path):
   got = jax.tree.leaves(resolved.model.to_hf(resolved.params))
   want = jax.tree.leaves(hf.params)
   assert len(got) == len(want)
-  for a, b in zip(got, want):
+  for a, b in zip(got, want, strict=True):
     np.testing.assert_array_equal(a, b)
   workdir = str(tmp_path / 'run')
   summary = elastic.run(config, workdir, task='vit')
