@@ -25,7 +25,7 @@ blocks, ``loader`` a :class:`pipejax.data.Loader`)::
   cache = ActivationCache(identity=run_hash, num_samples=len(source),
                           entry_shape=(seq, hidden), dtype=c.cache.dtype,
                           memory_bytes=..., disk_bytes=..., directory=workdir + '/cache',
-                          on_mismatch=c.cache.on_mismatch, depth=F, log=log)
+                          on_mismatch=c.cache.on_mismatch, reuse=False, log=log)
   # each epoch, before its first step (disk entries are read ahead):
   cache.prefetch(loader.batch_ids(epoch, start_step))
   # each step, instead of running the prefix inside the step:
@@ -93,11 +93,14 @@ class ActivationCache:
     memory_bytes: host-memory budget for entries *and* prefetched disk entries.
     disk_bytes: size budget of the disk file (0: no disk tier).
     directory: the cache directory (needed when ``disk_bytes > 0``). Entries a
-      previous run of the same identity left there are used (checked on read).
+      previous run of the same identity left there, at ``depth`` or less, are
+      used (checked on read) when ``reuse`` is True, else dropped at once.
     prefetch_bytes: the part of ``memory_bytes`` kept for read-ahead of disk
       entries (default: ``memory_bytes // 8`` when there is a disk tier).
     on_mismatch: ``'refuse'`` or ``'clear'`` a directory of another identity.
     depth: the current number of frozen blocks.
+    reuse: take over the entries of ``directory`` (False: start empty, the
+      trainer's case: a run or a resume starts at depth 0 or refills).
     log: one-line messages (decisions, corruption, clearing).
     own_ids: the sample IDs this host may cache (its data shards, paper App.
       D.1), or None for all: another ID given to :meth:`fetch` or
@@ -109,7 +112,7 @@ class ActivationCache:
   def __init__(self, *, identity: str, num_samples: int, entry_shape: Sequence[int],
                dtype: str = 'float32', memory_bytes: int, disk_bytes: int = 0,
                directory: str | None = None, prefetch_bytes: int | None = None,
-               on_mismatch: str = 'refuse', depth: int = 0,
+               on_mismatch: str = 'refuse', depth: int = 0, reuse: bool = True,
                log: Callable[[str], None] = print, own_ids: np.ndarray | None = None):
     self.dtype = storage_dtype(dtype)
     self.entry_shape = tuple(int(d) for d in entry_shape)
@@ -152,7 +155,11 @@ class ActivationCache:
     if disk_bytes:
       self._disk = DiskTier(directory, identity, self.entry_shape, self.dtype.name, disk_bytes,
                             n, on_mismatch, log)
-      self._reopen()
+      if reuse:
+        self._reopen()
+      else:  # one truncation, not a header read and a write per leftover record
+        self._disk.clear()
+        self._free = list(range(self._disk.slots - 1, -1, -1))
     # Prefetch state: the planned batches, the next one to be fetched, staged entries.
     self._plan: list[np.ndarray] = []
     self._plan_index: dict[int, list[int]] = {}

@@ -11,20 +11,17 @@ forward at depth F beats it at every deeper F' (its entries have the same shape
 at every depth, so a read costs the same; the forward through F' blocks costs
 at least the forward through F).
 
-The trainer, per depth F (after a freeze event, or at the start)::
-
-  profiler.reset()
-  # a few steps with the prefix run directly: time it (block_until_ready)
-  profiler.record(forward_seconds=...)
-  write_s, read_s = cache.measure_io(hidden_of_one_batch)
-  profiler.record(read_seconds=read_s, write_seconds=write_s)
-  decision = profiler.decide(F, filled=...)   # logs one line with its inputs
-  use_cache = decision.use_cache and caching_allowed(...)
+The trainer (:meth:`pipejax.frozen_prefix.FrozenPrefix.change_depth`), at the
+first freeze and at every freeze event, for the new depth F: unless
+:func:`keep_caching` settles it, it times the frozen prefix's forward on the
+devices for one batch, the cache's write and read of that batch
+(``ActivationCache.measure_io``) plus its copies between host and devices, and
+decides with :func:`decide_caching` (one log line with the inputs). The
+augmentation guard, :func:`caching_allowed`, runs once, when the cache is made.
 """
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Callable
 
 
@@ -74,7 +71,9 @@ def decide_caching(num_frozen_layers: int, forward_seconds: float, read_seconds:
   Args:
     num_frozen_layers: the depth F (0 never caches: there is no frozen prefix).
     forward_seconds: the frozen prefix's forward for one batch at depth F.
-    read_seconds / write_seconds: reading / writing one batch of entries.
+    read_seconds / write_seconds: reading / writing one batch of entries,
+      with its copy to / from the devices (the prefix run on the devices
+      needs neither).
     epochs_ahead: epochs expected at this depth (the freeze timestep, or the
       epochs left); with 1 and an empty cache, caching cannot pay.
     filled: the entries already exist at this depth (advanced or reopened).
@@ -113,49 +112,6 @@ def keep_caching(previous: CachingDecision | None, num_frozen_layers: int,
   measured_at = (previous.num_frozen_layers if previous.measured_at is None
                  else previous.measured_at)
   return dataclasses.replace(decision, measured_at=measured_at)
-
-
-class CachingProfiler:
-  """Collects per-batch timings at one depth and decides from their medians.
-
-  Args:
-    epochs_ahead: see :func:`decide_caching`.
-    log: where each decision's one line goes.
-  """
-
-  def __init__(self, epochs_ahead: int, log: Callable[[str], None] = print):
-    self.epochs_ahead, self.log = epochs_ahead, log
-    self.decisions: list[CachingDecision] = []
-    self.reset()
-
-  def reset(self) -> None:
-    """Forgets the timings (at a depth change: the forward got longer)."""
-    self.timings: dict[str, list[float]] = {'forward': [], 'read': [], 'write': []}
-
-  def record(self, forward_seconds: float | None = None, read_seconds: float | None = None,
-             write_seconds: float | None = None) -> None:
-    """Adds one batch's measurements (any subset)."""
-    for name, value in (('forward', forward_seconds), ('read', read_seconds),
-                        ('write', write_seconds)):
-      if value is not None:
-        self.timings[name].append(float(value))
-
-  def ready(self) -> bool:
-    """Whether forward, read and write have each been measured."""
-    return all(self.timings.values())
-
-  def decide(self, num_frozen_layers: int, filled: bool = False) -> CachingDecision:
-    """Decides with the medians recorded since :meth:`reset` and logs it."""
-    if not self.ready():
-      missing = [k for k, v in self.timings.items() if not v]
-      raise ValueError(f'caching decision at F={num_frozen_layers} lacks timings of {missing}')
-    decision = decide_caching(num_frozen_layers,
-                              *(statistics.median(self.timings[k])
-                                for k in ('forward', 'read', 'write')),
-                              epochs_ahead=self.epochs_ahead, filled=filled)
-    self.decisions.append(decision)
-    self.log(decision.describe())
-    return decision
 
 
 def caching_allowed(randomly_augmented: bool, accept_reused_augmentation: bool,

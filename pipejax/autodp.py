@@ -123,9 +123,9 @@ def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, me
     optimizer_init: the optimizer's ``init`` (gives the new state's structure).
 
   Returns:
-    ``(move, new_shapes)``: ``move(state)`` returns the state laid out for
-    ``new`` and sharded on ``mesh``; ``new_shapes`` are its
-    ``ShapeDtypeStruct``\ s with shardings (to compile the next step ahead).
+    ``move``: ``move(state)`` returns the state laid out for ``new`` and
+    sharded on ``mesh`` (compiled, its ``out_info`` and ``output_shardings``
+    describe the new state, to compile the next step ahead).
   """
   if new.num_frozen_layers < old.num_frozen_layers:
     raise ValueError(f'cannot unfreeze: {old.num_frozen_layers} -> {new.num_frozen_layers}')
@@ -148,12 +148,9 @@ def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, me
     out['opt'] = map_param_trees(moment, state['opt'], template)
     return out
 
-  shapes = jax.eval_shape(move, state_shapes)
-  shardings = state_shardings(shapes, mesh)
-  new_shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, shardings)
+  shardings = state_shardings(jax.eval_shape(move, state_shapes), mesh)
   # Donated: the old layout is dead after the move, so it never coexists with the new one.
-  return jax.jit(move, out_shardings=shardings, donate_argnums=0), new_shapes
+  return jax.jit(move, out_shardings=shardings, donate_argnums=0)
 
 
 def gathered_stages(state: dict, replicated: NamedSharding) -> dict:
@@ -186,10 +183,3 @@ def gathered_stages(state: dict, replicated: NamedSharding) -> dict:
       out[i] = row[:, offset:offset + size].reshape(leaves[i].shape)
       offset += size
   return jax.tree.unflatten(treedef, out)
-
-
-def relayout(state: dict, old: part.Partition, new: part.Partition, mesh: Mesh,
-             optimizer_init) -> dict:
-  """Moves ``state`` from ``old`` to ``new`` on ``mesh`` (see :func:`relayout_fn`)."""
-  move, _ = relayout_fn(state, old, new, mesh, optimizer_init)
-  return move(state)

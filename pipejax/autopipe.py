@@ -209,11 +209,15 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
 
 def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,
                            max_factor: int = 6) -> list[int]:
-  """M ∈ {K, 2K, …, 6K} that divide the per-replica batch (M = 1 allowed
-  for K = 1 and always a fallback when nothing divides)."""
-  out = [f * pipeline_length for f in range(1, max_factor + 1)
-         if batch_per_replica % (f * pipeline_length) == 0]
-  return out or [1]
+  """M ∈ {K, 2K, …, 6K} that divide the per-replica batch (paper §3.2.3).
+  When none does: the divisors of the batch between K and 6K, else the
+  largest one below K (a batch smaller than K: one sample a micro-batch),
+  never a needlessly serial pipeline."""
+  k, batch = pipeline_length, batch_per_replica
+  out = [f * k for f in range(1, max_factor + 1) if batch % (f * k) == 0]
+  if not out:
+    out = [m for m in range(k, max_factor * k + 1) if batch % m == 0]
+  return out or [max(d for d in range(1, min(k, batch) + 1) if batch % d == 0)]
 
 
 class MicroBatchProfile:
@@ -371,24 +375,28 @@ def _choices(record: Any) -> dict[str, Any]:
 
 
 def profile_about(hf_config: Any, *, devices: int, batch: int, batch_mode: str,
-                  platform: str, schedule: str, exchange: str) -> dict[str, Any]:
+                  platform: str, schedule: str, exchange: str,
+                  autodp: bool = True) -> dict[str, Any]:
   """What a profile record says of its run (JSON): the model's HF config
-  and the figures that decide a micro-batch count."""
+  and the figures that decide a micro-batch count (``autodp``: whether R
+  grows as K shrinks, which sets a replica's batch)."""
   config = json.loads(json.dumps(hf_config.to_dict(), sort_keys=True, default=str))
   config['num_labels'] = hf_config.num_labels  # to_dict() has only the labels' names
   return {'hf_config': config, 'devices': devices, 'batch': batch, 'batch_mode': batch_mode,
-          'platform': platform, 'schedule': schedule, 'exchange': exchange}
+          'platform': platform, 'schedule': schedule, 'exchange': exchange, 'autodp': autodp}
 
 
 def profile_differences(about: dict[str, Any], model: dict[str, Any], devices: int,
                         batch: int | None = None) -> list[str]:
   """How a described run (``about``) differs from ``model``'s fields, the
   device count and, when given, the global batch, e.g. ``['num_labels 10
-  (not 1000)']``; empty when it matches."""
+  (not 1000)']``; empty when it matches. A run without AutoDP (R stayed 1)
+  differs too: a plan's replicas are N/K."""
   config = about.get('hf_config')
   config = config if isinstance(config, dict) else {}
-  run = {k: config.get(k) for k in model} | {'devices': about.get('devices')}
-  wanted = dict(model, devices=devices)
+  run = {k: config.get(k) for k in model} | {'devices': about.get('devices'),
+                                               'autodp': about.get('autodp', True)}
+  wanted = dict(model, devices=devices, autodp=True)
   if batch is not None:
     run['batch'], wanted['batch'] = about.get('batch'), batch
   return [f'{k} {run[k]!r} (not {v!r})' for k, v in wanted.items() if run[k] != v]

@@ -326,13 +326,15 @@ class FrozenPrefix:
                                    self.spread(plan))
     return self._prefix(plan, frozen, inputs)(frozen, inputs)
 
-  def _forward_here(self, plan, frozen, batch: dict) -> np.ndarray:
+  def _forward_here(self, plan, frozen, batch: dict, to_host: bool = True):
     """The prefix's output ``[local batch, seq, hidden]`` of this process's
-    ``batch``, computed on its own devices (several processes)."""
+    ``batch``, computed on its own devices (several processes); on the host
+    (numpy), or where it was computed when not ``to_host``."""
     inputs = jax.device_put({k: batch[k] for k in self.model.input_keys},
                             self._layout(plan, local=True)[1])
     frozen = self._params_here(plan, frozen)
-    return np.asarray(self._prefix(plan, frozen, inputs, local=True)(frozen, inputs))
+    out = self._prefix(plan, frozen, inputs, local=True)(frozen, inputs)
+    return np.asarray(out) if to_host else out
 
   def _advance_host(self, plan, frozen, ids: np.ndarray, hidden: np.ndarray,
                     from_depth: int) -> np.ndarray:
@@ -401,16 +403,25 @@ class FrozenPrefix:
       inputs = jax.device_put({k: sample_batch[k] for k in self.model.input_keys},
                               self.spread(plan))
 
-    def forward():
+    def forward():  # on the devices, as the step without the cache runs it
       if inputs is None:  # this process's share, on its devices (as a miss runs)
-        return self._forward_here(plan, frozen, sample_batch)
-      return np.asarray(self._prefix(plan, frozen, inputs)(frozen, inputs))
+        return self._forward_here(plan, frozen, sample_batch, to_host=False)
+      return self._prefix(plan, frozen, inputs)(frozen, inputs)
 
-    forward()  # the first call also loads the program
+    jax.block_until_ready(forward())  # the first call also loads the program
     start = time.perf_counter()
-    hidden = forward()
+    out = jax.block_until_ready(forward())
     forward_seconds = time.perf_counter() - start
+    # A miss also copies its output to the host and a hit its entries to the
+    # devices: the cache's costs, which the prefix run on the devices saves.
+    start = time.perf_counter()
+    hidden = np.asarray(out)
+    to_host = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(jax.device_put(hidden, out.sharding))
+    to_devices = time.perf_counter() - start
     write, read = self.cache.measure_io(hidden)
+    write, read = write + to_host, read + to_devices
     combined = ''
     if self.processes > 1:
       everyone = distributed.gather_exact([forward_seconds, read, write, float(filled)])
@@ -560,4 +571,5 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
       identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
       dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20), disk_bytes=int(c.disk_mb * 2**20),
       directory=directory, on_mismatch=c.on_mismatch, own_ids=own_ids,
+      reuse=False,  # a run starts with nothing frozen, a resume empty at its depth
       log=lambda msg: log('  ' + msg))  # under the epoch's line, like the run's other events

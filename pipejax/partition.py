@@ -221,24 +221,3 @@ def frozen_prefix(params: Params, num_frozen_layers: int) -> Params:
   return {'embed': params['embed'],
           'attention': jax.tree.map(lambda x: x[:num_frozen_layers], params['attention']),
           'mlp': jax.tree.map(lambda x: x[:num_frozen_layers], params['mlp'])}
-
-
-def stage_parameter_counts(params: Params, partition: Partition) -> list[int]:
-  """Parameters each stage trains (embedding and head counted where they run)."""
-  counts = []
-  attn_size = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(params['attention']))
-  mlp_size = sum(int(np.prod(x.shape[1:])) for x in jax.tree.leaves(params['mlp']))
-  embed = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params['embed']))
-  head = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params['head']))
-  for units in partition.stage_units():
-    total = 0
-    for u in units:
-      if u == 0:
-        total += embed
-      elif u == 2 * partition.num_layers + 1:
-        total += head
-      else:
-        total += attn_size if (u - 1) % 2 == 0 else mlp_size
-    counts.append(total)
-  return counts
-

@@ -20,7 +20,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,13 @@ def layer_grad_norms(grads: Params, partition: part.Partition, tables=None) -> j
   per_layer = jnp.zeros(partition.num_layers, jnp.float32).at[t.layer.reshape(-1)].add(
       sq.reshape(-1))
   return jnp.sqrt(per_layer)
+
+
+class _Ahead(NamedTuple):
+  """The next plan being prepared in the background (:meth:`Trainer.prepare_next`)."""
+  move: tuple[part.Partition, part.Partition]  # (from, to)
+  future: concurrent.futures.Future  # -> (move program, prefix programs)
+  stale: threading.Event  # set: stop between two compiles
 
 
 class LossNotFinite(FloatingPointError):
@@ -148,8 +155,8 @@ def optimizer_for(train, steps_per_epoch: int):
   ``optax.adamw(schedule)`` exactly (the same state tree and arithmetic).
   """
   total = max(2, train.epochs * steps_per_epoch)
-  # optax needs the decay to outlast the warm-up (a run of one step: one of each).
-  warmup = min(max(1, int(train.warmup_epochs * steps_per_epoch)), total - 1)
+  # optax needs the decay to outlast the warm-up; 0 steps: the first step at the peak.
+  warmup = min(int(train.warmup_epochs * steps_per_epoch), total - 1)
   lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, warmup, total,
                                           end_value=0.0)
   return lr, optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(train.weight_decay),
@@ -245,7 +252,8 @@ class Trainer:
     about = autopipe.profile_about(model.hf_config, devices=self.num_devices,
                                    batch=c.train.batch_size, batch_mode=c.train.batch_mode,
                                    platform=self.devices[0].platform,
-                                   schedule=c.pipeline.schedule, exchange=self.pipe.exchange)
+                                   schedule=c.pipeline.schedule, exchange=self.pipe.exchange,
+                                   autodp=c.pipeline.autodp)
     # The key (hashed) is the description with the HF config as its repr.
     key = {'model': repr(model.hf_config.to_dict()),
            **{k: v for k, v in about.items() if k != 'hf_config'}}
@@ -695,14 +703,18 @@ class Trainer:
         progress.set_postfix(loss=f'{loss_sum / steps:.4f}')
       step = first_step + steps
       if every and step % every == 0 and step < last_step:
+        depth = self.plan.partition.num_frozen_layers
         transition_seconds += self.maybe_transition(epoch, batch)
+        if self.plan.partition.num_frozen_layers != depth:
+          # The cache stopped reading ahead at the new depth: plan the rest of the epoch.
+          self.prefix.prefetch(loader.batch_ids(epoch, steps), self.plan, self.state['frozen'])
         self.prepare_next(batch)
       if after_step is not None and steps < loader.steps_per_epoch():
         after_step(epoch, steps)
     sums, _ = self.check_not_diverged(epoch)
     seconds = time.perf_counter() - start
     if first_step_seconds is not None and self.transitions:
-      mean_step = (seconds - transition_seconds) / max(steps, 1)
+      mean_step = (seconds - transition_seconds) / max(steps - start_step, 1)
       self.transitions[-1].warmup_seconds = max(0.0, first_step_seconds - mean_step)
     self.state['sums'] = _zeros_like(self.state['sums'])
     return {'train_loss': float(sums[0] / max(steps, 1)),
@@ -864,24 +876,35 @@ class Trainer:
     return partition
 
   def _prepare(self, old: part.Partition, new: part.Partition, plans: list[pipeline.Plan],
-               state_shapes: dict, sample_batch: dict):
-    """Compiles the move to ``new`` and the train steps of ``plans``."""
-    start = time.perf_counter()
+               state_shapes: dict, sample_batch: dict,
+               stale: threading.Event | None = None) -> tuple[Any, dict]:
+    """Compiles the move to ``new`` and the train steps of ``plans``; returns
+    the move and the prefix programs. In the background, ``stale`` set (the
+    prediction was replaced or not taken) stops it between two compiles
+    (``CancelledError``), so it leaves the cores to the transition."""
+
+    def check():
+      if stale is not None and stale.is_set():
+        raise concurrent.futures.CancelledError('a newer prediction replaced this one')
+
     mesh = self.mesh(plans[0])
     state_shapes = autodp.on_mesh(state_shapes, mesh)  # no AutoDP: K shrank, fewer devices
     move = self.programs.compile(
         'move', (old, new), (state_shapes,),
-        lambda: autodp.relayout_fn(state_shapes, old, new, mesh, self.optimizer.init)[0],
+        lambda: autodp.relayout_fn(state_shapes, old, new, mesh, self.optimizer.init),
         donate_argnums=(0,), library_fusions=False)
     new_shapes = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               move.out_info, move.output_shardings)
+    check()
     prefixes = self.prefix.compile_ahead(plans[0], old.num_frozen_layers, new_shapes['frozen'],
                                          sample_batch, self.batch_size(plans[0]))
     feed = prefixes.pop('feed')
     for plan in plans:
+      check()
       self._compile_step(plan, _without_frozen(new_shapes), feed)
+    check()
     self._portable_compiled_for(plans[0], new_shapes)
-    return move, prefixes, time.perf_counter() - start
+    return move, prefixes
 
   def _candidate_plans(self, partition: part.Partition) -> list[pipeline.Plan]:
     """The plans a partition may run: the config's fixed M, the remembered M,
@@ -899,17 +922,27 @@ class Trainer:
     term can only freeze less, which then compiles at the transition)."""
     if self.config.freeze.policy == 'none' or not self.config.freeze.compile_ahead:
       return
-    if self._ahead is not None:
-      self._ahead[2].cancel()  # a stale prediction must not delay the next one
-      self._ahead = None
     _, predicted = self.policy.bound_result()
-    if predicted == self.policy.num_frozen_layers:
-      return
     old = self.plan.partition
-    new = self._partition_after(predicted)
+    new = (None if predicted == self.policy.num_frozen_layers
+           else self._partition_after(predicted))
+    if self._ahead is not None and self._ahead.move == (old, new):
+      return  # the same prediction as at the last timestep: its job runs on
+    self._drop_ahead()  # a stale prediction must not delay the next one
+    if new is None:
+      return
     plans = self._candidate_plans(new)
-    self._ahead = (old, new, self._pool.submit(self._prepare, old, new, plans,
-                                               self._state_spec(), sample_batch))
+    stale = threading.Event()
+    self._ahead = _Ahead((old, new), self._pool.submit(
+        self._prepare, old, new, plans, self._state_spec(), sample_batch, stale), stale)
+
+  def _drop_ahead(self) -> None:
+    """Stops the background preparation (if any): not started, it never
+    starts; started, it stops before its next compile."""
+    if self._ahead is not None:
+      self._ahead.stale.set()
+      self._ahead.future.cancel()
+      self._ahead = None
 
   def base_steps_done(self) -> int:
     """Training so far in steps of the starting global batch (the
@@ -933,25 +966,29 @@ class Trainer:
         f'; norms {np.array2string(norms, precision=3, max_line_width=200)}'
         if decision.norms is not None else ''))
     self.state['layer_norms'] = _zeros_like(self.state['layer_norms'])
-    ahead, self._ahead = self._ahead, None
     if decision.result == self.plan.partition.num_frozen_layers:
-      return time.perf_counter() - start
+      return time.perf_counter() - start  # prepare_next keeps a job that still applies
     old = self.plan
     new_partition = self._partition_after(decision.result)
     plans = self._candidate_plans(new_partition)
-    ahead_used = ahead is not None and ahead[:2] == (old.partition, new_partition)
+    ahead = self._ahead
+    ahead_used = ahead is not None and ahead.move == (old.partition, new_partition)
+    if ahead_used:
+      self._ahead = None
+    else:
+      self._drop_ahead()  # the argmin froze fewer blocks than the bound predicted
     t0 = time.perf_counter()
     if ahead_used:
       try:
-        move, prefixes, _ = ahead[2].result()  # waits only for what still compiles
+        move, prefixes = ahead.future.result()  # waits only for what still compiles
       except Exception as e:  # noqa: BLE001 - failed or cancelled there: once more, here
         text = str(e).strip()
         self.log(f'  preparing the next plan ahead failed ({type(e).__name__}'
                  f'{": " + text.splitlines()[0][:200] if text else ""}); preparing it now')
         ahead_used = False
     if not ahead_used:
-      move, prefixes, _ = self._prepare(old.partition, new_partition, plans,
-                                        self._state_spec(), sample_batch)
+      move, prefixes = self._prepare(old.partition, new_partition, plans, self._state_spec(),
+                                     sample_batch)
     compile_s = time.perf_counter() - t0
     self.prefix.adopt(prefixes)
     t0 = time.perf_counter()
@@ -1025,6 +1062,7 @@ class Trainer:
     finally:
       if own_freeze:
         gc.unfreeze()
+      self._drop_ahead()  # a started preparation stops at its next compile
       self._pool.shutdown(wait=False, cancel_futures=True)
       if self.prefix.cache is not None:
         self.prefix.cache.close()

@@ -12,8 +12,8 @@ import pytest
 
 from pipejax import autocache_disk
 from pipejax.autocache import ActivationCache, CacheMismatchError, storage_error_bound
-from pipejax.autocache_policy import (CachingDecision, CachingProfiler, caching_allowed,
-                                      decide_caching, keep_caching)
+from pipejax.autocache_policy import (CachingDecision, caching_allowed, decide_caching,
+                                      keep_caching)
 from pipejax.data import ArraySource, Loader, host_subset
 from tests import fixtures
 
@@ -319,6 +319,31 @@ def test_evict_stale_and_clear(tmp_path):
   assert not cache.contains(ids).any() and cache.stats()['disk_file_bytes'] == 0
 
 
+def test_a_cache_that_does_not_reuse_starts_empty_without_reading_the_file(tmp_path,
+                                                                          monkeypatch):
+  """``reuse=False`` (the trainer's cache): a directory of the same identity
+  is emptied in one truncation, never scanned record by record."""
+  fake = FakePrefix(10)
+  cache = make_cache(tmp_path, num_samples=10, memory_bytes=0, disk_bytes=1 << 20, depth=2)
+  ids = np.arange(10)
+  cache.fetch(ids, fake.compute_fn(ids, 2))
+  cache.close()
+  assert os.path.getsize(tmp_path / 'cache' / 'entries.bin') > 0
+
+  def scan(self):
+    raise AssertionError('the file was scanned')
+
+  monkeypatch.setattr(autocache_disk.DiskTier, 'scan', scan)
+  fresh = make_cache(tmp_path, num_samples=10, memory_bytes=0, disk_bytes=1 << 20, depth=2,
+                     reuse=False)
+  assert fresh.stats()['disk_entries'] == 0 and not fresh.contains(ids).any()
+  assert os.path.getsize(tmp_path / 'cache' / 'entries.bin') == 0
+  got = fresh.fetch(ids, fake.compute_fn(ids, 2))  # the whole disk budget is free again
+  np.testing.assert_array_equal(got, fake.direct(ids, 2))
+  assert fresh.stats()['disk_entries'] == 10
+  fresh.close()
+
+
 # -- disk safety ----------------------------------------------------------------------
 def _disk_cache(tmp_path, fake, n=12, **kw):
   cache = make_cache(tmp_path, num_samples=n, memory_bytes=kw.pop('memory_bytes', 0),
@@ -575,20 +600,12 @@ def test_decide_caching():
   assert d.seconds_without == pytest.approx(0.30) and d.seconds_with == pytest.approx(0.19)
 
 
-def test_profiler_logs_inputs_and_reevaluates_per_depth():
-  lines = []
-  profiler = CachingProfiler(epochs_ahead=3, log=lines.append)
-  with pytest.raises(ValueError, match='lacks timings'):
-    profiler.decide(1)
-  for forward in (0.011, 0.010, 0.5):  # a compile-time outlier does not count
-    profiler.record(forward_seconds=forward)
-  profiler.record(read_seconds=0.02, write_seconds=0.02)
-  assert not profiler.decide(1).use_cache
-  assert 'F=1: run the prefix' in lines[-1] and 'read 0.0200s' in lines[-1]
-  profiler.reset()  # depth change: the forward got longer
-  profiler.record(forward_seconds=0.04, read_seconds=0.02, write_seconds=0.02)
-  assert profiler.decide(4).use_cache and 'F=4: use the cache' in lines[-1]
-  assert [d.num_frozen_layers for d in profiler.decisions] == [1, 4]
+def test_a_decision_s_line_names_its_inputs_and_verdict():
+  shallow = decide_caching(1, 0.011, 0.02, 0.02, epochs_ahead=3)  # 0.033 s against 0.071 s
+  assert not shallow.use_cache
+  assert 'F=1: run the prefix' in shallow.describe() and 'read 0.0200s' in shallow.describe()
+  deep = decide_caching(4, 0.04, 0.02, 0.02, epochs_ahead=3)  # 0.12 s against 0.10 s
+  assert deep.use_cache and 'F=4: use the cache' in deep.describe()
 
 
 def test_augmentation_guard():

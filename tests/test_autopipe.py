@@ -134,7 +134,13 @@ def test_partition_has_active_units_only():
 def test_micro_batch_candidates():
   assert autopipe.micro_batch_candidates(4, 32) == [4, 8, 16]
   assert autopipe.micro_batch_candidates(1, 8) == [1, 2, 4]
-  assert autopipe.micro_batch_candidates(8, 12) == [1]
+  # No multiple of K divides: divisors between K and 6K, else the largest below K.
+  assert autopipe.micro_batch_candidates(8, 12) == [12]
+  assert autopipe.micro_batch_candidates(8, 60) == [10, 12, 15, 20, 30]
+  assert autopipe.micro_batch_candidates(8, 4) == [4]
+  assert autopipe.micro_batch_candidates(4, 7) == [7]
+  assert autopipe.micro_batch_candidates(8, 7) == [7]
+  assert autopipe.micro_batch_candidates(4, 3) == [3]
 
 
 def test_micro_batch_profile_is_remembered_across_runs(tmp_path):

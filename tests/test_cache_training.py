@@ -1,5 +1,8 @@
 """AutoCache inside the trainer: the same losses as running the frozen
 prefix, and no sample through a frozen layer twice."""
+import time
+
+import jax
 import numpy as np
 import pytest
 
@@ -266,6 +269,60 @@ def test_a_prefix_the_filled_cache_serves_is_not_loaded_ahead_but_on_a_call(tmp_
   got = np.asarray(trainer.prefix._forward(plan, frozen, batch))
   assert trainer.programs.stats()['programs_loaded'] == loaded + 1  # eager's entry, same key
   np.testing.assert_array_equal(got, np.asarray(eager.prefix._forward(plan, frozen, batch)))
+
+
+def test_the_caching_decision_charges_the_copies_to_the_cache(monkeypatch):
+  """The prefix without the cache stays on the devices; a hit copies its
+  entries to them (a miss its output to the host): the decision's read
+  carries that copy, its forward does not. The copy to the devices is made
+  slow (50 ms) here to see where it lands."""
+  from pipejax import frozen_prefix  # noqa: PLC0415
+  put = jax.device_put
+
+  def slow_put(x, *args, **kwargs):
+    if isinstance(x, np.ndarray) and x.ndim == 3:  # [batch, seq, hidden]: entries
+      time.sleep(0.05)
+    return put(x, *args, **kwargs)
+
+  monkeypatch.setattr(frozen_prefix.jax, 'device_put', slow_put)
+  monkeypatch.setattr(ActivationCache, 'measure_io', lambda self, hidden: (0.0, 0.0))
+  config = _config(policy='schedule', alpha=0.5, epochs=2)
+  with config.unlocked():
+    config.cache.policy = 'profile'
+  trainer, _ = _trainer(config)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, sample)
+  decision = trainer.prefix.decisions[-1]
+  assert decision.num_frozen_layers == 2 and decision.measured_at == 2
+  assert decision.read_seconds >= 0.05 > decision.forward_seconds
+  assert decision.write_seconds < 0.05
+
+
+def test_the_run_s_cache_starts_empty_in_a_directory_it_filled_before(tmp_path, monkeypatch):
+  """A rerun in the same workdir (or a resume) does not take over the
+  entries left on disk (it starts with nothing frozen, or empty at the
+  checkpoint's depth), and does not read them one by one to drop them."""
+  from pipejax import autocache_disk  # noqa: PLC0415
+  config = _config()
+  with config.unlocked():
+    config.cache.update(memory_mb=0.0, disk_mb=1.0)
+  trainer, _ = _trainer(config)
+
+  def cache():
+    return make_cache(config, trainer.model, trainer.train_loader.source,
+                      trainer.canonical_params(), str(tmp_path), lambda _: None)
+
+  first = cache()
+  first.advance(1)
+  ids = np.arange(8)
+  first.fetch(ids, lambda rows: np.ones((len(rows),) + first.entry_shape, np.float32))
+  assert first.stats()['disk_entries'] == 8
+  first.close()
+  monkeypatch.setattr(autocache_disk.DiskTier, 'scan', lambda self: pytest.fail('scanned'))
+  again = cache()
+  assert again.stats()['disk_entries'] == 0 and not again.contains(ids).any()
+  again.close()
 
 
 def test_the_cache_identity_is_the_checkpoint_s(monkeypatch):

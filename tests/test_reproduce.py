@@ -250,5 +250,7 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
                              [r['train_loss'] for r in rows[1]], rtol=1e-6)
   for dp, pp in zip(rows[0], rows[1], strict=True):
     assert dp['eval_accuracy'] == pytest.approx(pp['eval_accuracy'], abs=1.01 / 359)
+  assert plain['final_eval_accuracy'] == pytest.approx(pipe['final_eval_accuracy'],
+                                                       abs=1.01 / 359)
   assert plain['eval_batch_size'] == 4 * config.train.batch_size  # the main job's default
   assert rows[0][0]['train_loss'] != rows[0][-1]['train_loss']  # it trained

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from experiments import vit_imagenet
-from pipejax import autodp
+from pipejax import autodp, autopipe
 from pipejax import pipeline
 from pipejax import resume
 from pipejax import trainer as trainer_lib
@@ -142,7 +142,7 @@ def test_relayout_and_portable_state_gather_the_stages_in_one_collective():
   assert new.pipeline_length < 8 and new != old
   mesh = trainer.mesh(trainer._candidate_plans(new)[0])
   shapes = autodp.on_mesh(trainer._state_spec(), mesh)
-  move, _ = autodp.relayout_fn(shapes, old, new, mesh, trainer.optimizer.init)
+  move = autodp.relayout_fn(shapes, old, new, mesh, trainer.optimizer.init)
   assert _collectives(move.lower(shapes).compile()) == ['all-gather']
   portable = trainer._portable_compiled_for(trainer.plan, trainer._state_spec())
   assert _collectives(portable) == ['all-gather']
@@ -321,10 +321,21 @@ def test_freeze_timestep_in_steps():
   with config.unlocked():
     config.freeze.timestep_steps = 2
   trainer, _ = _trainer(config)  # 64 samples / 16 = 4 steps per epoch
+  prefetched, prefetch = [], trainer.prefix.prefetch
+
+  def spy(batches, plan, frozen):
+    prefetched.append(([ids.tolist() for ids in batches], plan.partition.num_frozen_layers))
+    return prefetch(batches, plan, frozen)
+
+  trainer.prefix.prefetch = spy
   stats = trainer.train_epoch(0, _Bar())
   # Two timesteps inside the epoch: F = 2 (bound 2.0), then 3 (bound 3.0).
   assert [d.result for d in trainer.policy.state.history] == [2, 3]
   assert [t.step for t in trainer.transitions] == [2, 4]
+  # The cache reads ahead for the epoch's rest at each new depth.
+  loader = trainer._train_loader()  # noqa: SLF001
+  assert prefetched == [([ids.tolist() for ids in loader.batch_ids(0, start)], depth)
+                        for start, depth in ((0, 0), (2, 2), (4, 3))]
   assert stats['steps'] == 4 and stats['transition_seconds'] > 0
   assert trainer.plan.partition.num_frozen_layers == 3
 
@@ -448,11 +459,12 @@ def test_a_plan_whose_preparation_ahead_failed_is_prepared_at_the_transition():
   trainer.log = messages.append
   batch = next(iter(trainer.train_loader.epoch(0)))[1]
   trainer.prepare_next(batch)
-  old, new, future = trainer._ahead
-  future.result(timeout=600)
+  ahead = trainer._ahead  # noqa: SLF001
+  ahead.future.result(timeout=600)
   failed = concurrent.futures.Future()
   failed.set_exception(RuntimeError('RESOURCE_EXHAUSTED: out of memory\nmore detail'))
-  trainer._ahead = (old, new, failed)
+  trainer._ahead = ahead._replace(future=failed)  # noqa: SLF001
+  new = ahead.move[1]
   trainer.train_epoch(0, _Bar())
   trainer.maybe_transition(0, batch)
   assert trainer.plan.partition == new and trainer.plan.partition.num_frozen_layers == 2
@@ -460,6 +472,47 @@ def test_a_plan_whose_preparation_ahead_failed_is_prepared_at_the_transition():
           'memory); preparing it now') in messages
   assert trainer.transitions[-1].compiled_ahead is False
   trainer.train_epoch(1, _Bar())  # and the prepared plan trains
+
+
+def test_a_prediction_not_taken_stops_its_background_preparation(monkeypatch):
+  """The argmin of Eq. 1 froze fewer blocks than the α bound predicted: the
+  background job for the predicted plan stops before its next compile (it
+  would compete with the transition's own), and a repeated prediction keeps
+  its job running."""
+  config = _config(policy='pipetransformer', alpha=0.5, initial_length=4, micro_batches=0)
+  with config.unlocked():
+    config.freeze.compile_ahead = True
+  trainer, _ = _trainer(config)
+  batch = next(iter(trainer.train_loader.epoch(0)))[1]
+  release, compiled = threading.Event(), []
+  compile_step = trainer._compile_step  # noqa: SLF001
+
+  def slow_compile(plan, state_shapes, feed):  # the background job's step compiles
+    if threading.current_thread() is not threading.main_thread():
+      release.wait(timeout=600)
+      compiled.append(plan.partition.num_frozen_layers)
+    return compile_step(plan, state_shapes, feed)
+
+  trainer._compile_step = slow_compile  # noqa: SLF001
+  trainer.prepare_next(batch)
+  ahead = trainer._ahead  # noqa: SLF001
+  assert ahead.move[1].num_frozen_layers == 2  # the α bound: 0 + 0.5 * 4
+  trainer.prepare_next(batch)  # the same prediction: the same job
+  assert trainer._ahead is ahead  # noqa: SLF001
+  trainer.train_epoch(0, _Bar())
+  # Block 0's gradient norm the smallest: Eq. 1 freezes 1 block, not the predicted 2.
+  norms = np.asarray(trainer.state['layer_norms']).copy()
+  norms[0] = 0.0
+  trainer.state['layer_norms'] = jax.device_put(norms, trainer.state['layer_norms'].sharding)
+  trainer.maybe_transition(0, batch)
+  assert trainer.plan.partition.num_frozen_layers == 1
+  assert trainer._ahead is None and ahead.stale.is_set()  # noqa: SLF001
+  release.set()
+  with pytest.raises(concurrent.futures.CancelledError):
+    ahead.future.result(timeout=600)
+  assert len(compiled) <= 1 < len(trainer.micro_batch_candidates(  # stopped after one compile
+      trainer._plan(ahead.move[1], None)))  # noqa: SLF001
+  assert trainer.transitions[-1].compiled_ahead is False
 
 
 def test_a_failure_before_the_first_epoch_still_shuts_the_background_thread(monkeypatch):
@@ -688,12 +741,13 @@ def test_learning_rate_schedule_is_linear_warmup_then_cosine_to_zero():
     else:
       expected = peak * 0.5 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
     assert float(lr(k)) == pytest.approx(expected, rel=1e-6, abs=1e-7), k
-  # No warm-up asked for: one step of it (optax needs one), then the decay.
+  # No warm-up: the first step at the peak (a step at 0 would only move Adam's moments).
   with config.unlocked():
     config.train.warmup_epochs = 0.0
   lr, _ = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
-  assert float(lr(0)) == 0.0 and float(lr(1)) == pytest.approx(peak)
-  assert float(lr(total)) == 0.0
+  for k in range(total + 1):
+    assert float(lr(k)) == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * k / total)),
+                                         rel=1e-6, abs=1e-7), k
 
 
 def test_a_failed_evaluation_compile_is_raised_again_not_left_pending(monkeypatch):
@@ -730,3 +784,25 @@ def test_the_next_plan_is_prepared_at_the_lowest_cpu_priority():
   trainer, _ = _trainer(_config())
   theirs = trainer._pool.submit(mine).result()  # noqa: SLF001
   assert theirs == 19 and mine() == before  # the training thread's own priority is unchanged
+
+
+def test_runs_with_and_without_autodp_keep_apart_micro_batch_choices(tmp_path):
+  """R sets a replica's batch and so the best M: a run with
+  ``pipeline.autodp=False`` (R stays 1) must not reuse the M that an AutoDP
+  run profiled for the same K (the breakdown's variants share one profile
+  file), and ``pipejax.plan`` (which plans R = N/K) reads only AutoDP runs."""
+  path = str(tmp_path / 'profile.json')
+  profiles = {}
+  for autodp_on, m in ((True, 4), (False, 8)):
+    config = _config()
+    with config.unlocked():
+      config.pipeline.update(profile_path=path, autodp=autodp_on)
+    trainer, _ = _trainer(config)
+    assert trainer.profile.get(2) is None  # the other run's choice is not this run's
+    assert trainer.profile.choose(2, [2, m], lambda x, m=m: 0.0 if x == m else 1.0)[0] == m
+    profiles[autodp_on] = trainer.profile
+  runs = autopipe.described_runs(path)
+  assert sorted((about['autodp'], choices) for about, choices in runs) == [
+      (False, {2: 8}), (True, {2: 4})]
+  model = {'model_type': runs[0][0]['hf_config']['model_type']}
+  assert [choices for about, choices in autopipe.profiled_choices(path, model, 8)] == [{2: 4}]

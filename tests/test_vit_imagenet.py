@@ -1,6 +1,5 @@
 """The main job: default config smoke run, the ImageNet path on mocked TFDS
 data, and one-line errors for bad input."""
-import json
 import os
 import subprocess
 import sys
