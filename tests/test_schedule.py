@@ -106,3 +106,12 @@ def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
         assert owner[0][plan.slot[t, 0]] is None
         owner[0][plan.slot[t, 0]] = sched.micro_batch[t, 0]
   assert plan.num_slots <= (m if name == 'gpipe' else min(m, k) + 1)
+
+
+def test_render_draws_the_table():
+  """GPipe (all forwards, then backwards in reverse) and 1F1B (stage s warms
+  up with K - s - 1 forwards) for K = 2, written out by hand."""
+  assert S.gpipe(2, 2).render() == ('stage 0: F0 F1  .  . B1 B0 \n'
+                                           'stage 1:  . F0 F1 B1 B0  . ')
+  assert S.one_f_one_b(2, 3).render() == ('stage 0: F0 F1  . B0 F2 B1  . B2 \n'
+                                                 'stage 1:  . F0 B0 F1 B1 F2 B2  . ')
