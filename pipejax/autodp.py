@@ -123,9 +123,10 @@ def relayout_fn(state_shapes: dict, old: part.Partition, new: part.Partition, me
     optimizer_init: the optimizer's ``init`` (gives the new state's structure).
 
   Returns:
-    ``move``: ``move(state)`` returns the state laid out for ``new`` and
-    sharded on ``mesh`` (compiled, its ``out_info`` and ``output_shardings``
-    describe the new state, to compile the next step ahead).
+    ``move``, a ``jax.jit`` of it: ``move(state)`` returns the state laid
+    out for ``new`` and sharded on ``mesh``. It is not compiled yet; compiled
+    (by the trainer's :class:`pipejax.programs.ProgramStore`), its
+    ``out_info`` describes the new state, to compile the next step ahead.
   """
   if new.num_frozen_layers < old.num_frozen_layers:
     raise ValueError(f'cannot unfreeze: {old.num_frozen_layers} -> {new.num_frozen_layers}')

@@ -212,8 +212,15 @@ def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,
   """M ∈ {K, 2K, …, 6K} that divide the per-replica batch (paper §3.2.3).
   When none does: the divisors of the batch between K and 6K, else the
   largest one below K (a batch smaller than K: one sample a micro-batch),
-  never a needlessly serial pipeline."""
+  never a needlessly serial pipeline.
+
+  Raises:
+    ValueError: K or the batch below 1.
+  """
   k, batch = pipeline_length, batch_per_replica
+  if k < 1 or batch < 1:
+    raise ValueError(f'a pipeline of length {k} cannot split a per-replica batch of {batch}: '
+                     'both must be >= 1')
   out = [f * k for f in range(1, max_factor + 1) if batch % (f * k) == 0]
   if not out:
     out = [m for m in range(k, max_factor * k + 1) if batch % m == 0]
@@ -389,17 +396,20 @@ def profile_about(hf_config: Any, *, devices: int, batch: int, batch_mode: str,
 def profile_differences(about: dict[str, Any], model: dict[str, Any], devices: int,
                         batch: int | None = None) -> list[str]:
   """How a described run (``about``) differs from ``model``'s fields, the
-  device count and, when given, the global batch, e.g. ``['num_labels 10
+  device count and, when given, ``train.batch_size``, e.g. ``['num_labels 10
   (not 1000)']``; empty when it matches. A run without AutoDP (R stayed 1)
-  differs too: a plan's replicas are N/K."""
+  differs too: a plan's replicas are N/K; so does one recorded before runs
+  noted ``autodp`` (its M may be a run's with R = 1)."""
   config = about.get('hf_config')
   config = config if isinstance(config, dict) else {}
   run = {k: config.get(k) for k in model} | {'devices': about.get('devices'),
-                                               'autodp': about.get('autodp', True)}
+                                               'autodp': about.get('autodp')}
   wanted = dict(model, devices=devices, autodp=True)
   if batch is not None:
     run['batch'], wanted['batch'] = about.get('batch'), batch
-  return [f'{k} {run[k]!r} (not {v!r})' for k, v in wanted.items() if run[k] != v]
+  return [('autodp not recorded (a run from before runs noted it)' if k == 'autodp'
+           and 'autodp' not in about else f'{k} {run[k]!r} (not {v!r})')
+          for k, v in wanted.items() if run[k] != v]
 
 
 def profiled_choices(path: str, model: dict[str, Any], devices: int,

@@ -44,7 +44,7 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
                  for about, _ in described]
   matching = [run for run, differ in zip(described, differences) if not differ]
   runs = [(about, choices) for about, choices in matching if k in choices]
-  batch = '' if batch_size is None else f', global batch {batch_size}'
+  batch = '' if batch_size is None else f', train.batch_size {batch_size}'
   chosen = {choices[k] for _, choices in runs}
   if not chosen:
     why = _nearest(matching, differences)

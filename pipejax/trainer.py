@@ -84,6 +84,11 @@ class _Ahead(NamedTuple):
   stale: threading.Event  # set: stop between two compiles
 
 
+def _failed(future: concurrent.futures.Future) -> bool:
+  """Whether ``future`` ended without a result (raised or was cancelled)."""
+  return future.done() and (future.cancelled() or future.exception() is not None)
+
+
 class LossNotFinite(FloatingPointError):
   """The training loss, or a block's gradient norm, became NaN or infinite:
   training stops (a diverged state is never checkpointed). ``step`` is the
@@ -708,7 +713,10 @@ class Trainer:
         if self.plan.partition.num_frozen_layers != depth:
           # The cache stopped reading ahead at the new depth: plan the rest of the epoch.
           self.prefix.prefetch(loader.batch_ids(epoch, steps), self.plan, self.state['frozen'])
-        self.prepare_next(batch)
+        if step + every < last_step:
+          self.prepare_next(batch)
+        else:
+          self._drop_ahead()  # the last timestep has ended: nothing would use it
       if after_step is not None and steps < loader.steps_per_epoch():
         after_step(epoch, steps)
     sums, _ = self.check_not_diverged(epoch)
@@ -926,7 +934,8 @@ class Trainer:
     old = self.plan.partition
     new = (None if predicted == self.policy.num_frozen_layers
            else self._partition_after(predicted))
-    if self._ahead is not None and self._ahead.move == (old, new):
+    if self._ahead is not None and self._ahead.move == (old, new) and not _failed(
+        self._ahead.future):
       return  # the same prediction as at the last timestep: its job runs on
     self._drop_ahead()  # a stale prediction must not delay the next one
     if new is None:
@@ -1055,7 +1064,9 @@ class Trainer:
       # First in the background queue: what the first epoch's end (or a save
       # inside it) reads, then the next plan.
       self._compile_eval_ahead()
-      if by_steps:
+      every = self.config.freeze.timestep_steps
+      if by_steps and (int(self.state['step']) // every + 1) * every < (
+          self.config.train.epochs * self.steps_per_epoch):  # a timestep ends ahead
         self.prepare_next(sample_batch)
       self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
@@ -1078,6 +1089,8 @@ class Trainer:
     for epoch in range(start_epoch, epochs):
       if epoch + 1 < epochs and not by_steps:
         self.prepare_next(sample_batch)
+      elif not by_steps:
+        self._drop_ahead()  # the last epoch: a job kept from the one before has no use
       with progress_factory(epoch, self._train_loader().steps_per_epoch()) as bar:
         stats = self.train_epoch(epoch, bar, start_step if epoch == start_epoch else 0,
                                  after_step)

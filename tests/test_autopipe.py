@@ -137,6 +137,9 @@ def test_micro_batch_candidates():
   # No multiple of K divides: divisors between K and 6K, else the largest below K.
   assert autopipe.micro_batch_candidates(8, 12) == [12]
   assert autopipe.micro_batch_candidates(8, 60) == [10, 12, 15, 20, 30]
+  for k, batch in ((4, 0), (0, 8)):
+    with pytest.raises(ValueError, match='both must be >= 1'):
+      autopipe.micro_batch_candidates(k, batch)
   assert autopipe.micro_batch_candidates(8, 4) == [4]
   assert autopipe.micro_batch_candidates(4, 7) == [7]
   assert autopipe.micro_batch_candidates(8, 7) == [7]
@@ -307,7 +310,17 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
   out = _plan_cli('--profile', undescribed)
   assert out.returncode == 0 and json.loads(out.stdout)['micro_batches'] == 8
   assert 'no run is described yet' in json.loads(out.stdout)['micro_batches_source']
-  # Two runs of the model that chose differently: the global batch decides.
+  # A run recorded before runs noted pipeline.autodp (its M may be an R = 1
+  # run's): not used, and said so.
+  old_about = {k: v for k, v in about(vit_b16, 8, 64).items() if k != 'autodp'}
+  pre_autodp = str(tmp_path / 'pre-autodp.json')
+  with open(pre_autodp, 'w') as f:
+    json.dump({'k': {'8': {'micro_batches': 40, 'seconds': {}}},
+               autopipe.ABOUT: {'k': old_about}}, f)
+  plan = json.loads(_plan_cli('--profile', pre_autodp).stdout)
+  assert plan['micro_batches'] == 8 and plan['micro_batches_source'].endswith(
+      'its one described run differs in autodp not recorded (a run from before runs noted it))')
+  # Two runs of the model that chose differently: train.batch_size decides.
   remember(vit_b16, 'vit, batch 128', 8, 128, 8, 24)
   out = _plan_cli('--profile', path)
   assert out.returncode == 2 and out.stderr.count('\n') == 1

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from pipejax import autocache_policy
 from pipejax.autocache import ActivationCache
 from pipejax.data import ArraySource
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
@@ -110,9 +111,13 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
     return decide(self, plan, *args)
 
   monkeypatch.setattr(FrozenPrefix, '_decide', counted)
-  # The cache's reads and writes timed as (nearly) free, so the first timed
-  # decision chooses the cache whatever this machine's load does to timings.
-  monkeypatch.setattr(ActivationCache, 'measure_io', lambda self, hidden: (1e-9, 1e-9))
+  # The cache's reads and writes (with their copies) count as free, so the
+  # first timed decision chooses the cache whatever this machine's load does
+  # to timings; the forward stays measured.
+  decide_caching = autocache_policy.decide_caching
+  monkeypatch.setattr(autocache_policy, 'decide_caching',
+                      lambda depth, forward, read, write, *args, **kwargs: decide_caching(
+                          depth, forward, 0.0, 0.0, *args, **kwargs))
   config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=4)
   with config.unlocked():
     config.cache.update(policy='profile')

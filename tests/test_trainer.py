@@ -464,6 +464,11 @@ def test_a_plan_whose_preparation_ahead_failed_is_prepared_at_the_transition():
   failed = concurrent.futures.Future()
   failed.set_exception(RuntimeError('RESOURCE_EXHAUSTED: out of memory\nmore detail'))
   trainer._ahead = ahead._replace(future=failed)  # noqa: SLF001
+  trainer.prepare_next(batch)  # the same prediction: a failed job is not kept, but started again
+  again = trainer._ahead  # noqa: SLF001
+  assert again.move == ahead.move and again.future is not failed
+  again.future.result(timeout=600)
+  trainer._ahead = again._replace(future=failed)  # noqa: SLF001
   new = ahead.move[1]
   trainer.train_epoch(0, _Bar())
   trainer.maybe_transition(0, batch)
@@ -513,6 +518,45 @@ def test_a_prediction_not_taken_stops_its_background_preparation(monkeypatch):
   assert len(compiled) <= 1 < len(trainer.micro_batch_candidates(  # stopped after one compile
       trainer._plan(ahead.move[1], None)))  # noqa: SLF001
   assert trainer.transitions[-1].compiled_ahead is False
+
+
+@pytest.mark.parametrize('timestep_steps', [0, 2])
+def test_no_preparation_runs_on_after_the_last_freeze_timestep(monkeypatch, tmp_path,
+                                                               timestep_steps):
+  """After the last timestep that can end (epochs: the one before the last
+  epoch; steps: the last multiple of ``freeze.timestep_steps`` before the
+  end), no job prepares a plan that nothing would use: a kept one stops and
+  none starts."""
+  config = _config(epochs=2)
+  with config.unlocked():
+    config.freeze.update(compile_ahead=True, timestep_steps=timestep_steps)
+  trainer, _ = _trainer(config)  # 4 steps per epoch, 8 in all
+  trainer.workdir = str(tmp_path)  # metrics.jsonl
+  prepared, jobs, at_epoch = [], [], []
+  prepare_next, train_epoch = trainer.prepare_next, trainer.train_epoch
+
+  def counted(batch):
+    prepared.append(int(trainer.state['step']))
+    prepare_next(batch)
+    if trainer._ahead is not None:  # noqa: SLF001
+      jobs.append(trainer._ahead)  # noqa: SLF001
+
+  def epoch(number, *args, **kwargs):
+    at_epoch.append(trainer._ahead)  # noqa: SLF001
+    return train_epoch(number, *args, **kwargs)
+
+  monkeypatch.setattr(trainer, 'prepare_next', counted)
+  monkeypatch.setattr(trainer, 'train_epoch', epoch)
+  # Every timestep keeps F (the decision is the current depth), so a job
+  # predicted for the next one would be kept.
+  monkeypatch.setattr(trainer, 'maybe_transition', lambda *args: 0.0)
+  trainer.run(2, lambda epoch, steps: contextlib.nullcontext(_Bar()))
+  # Epochs: one timestep (after epoch 0); steps: at steps 2, 4 and 6.
+  assert prepared == ([0] if timestep_steps == 0 else [0, 2, 4])
+  if timestep_steps == 0:
+    assert at_epoch == [jobs[0], None]  # stopped before the last epoch
+  assert jobs and all(job.stale.is_set() for job in jobs)
+  assert trainer._ahead is None  # noqa: SLF001
 
 
 def test_a_failure_before_the_first_epoch_still_shuts_the_background_thread(monkeypatch):
