@@ -520,30 +520,30 @@ def test_a_prediction_not_taken_stops_its_background_preparation(monkeypatch):
   assert trainer.transitions[-1].compiled_ahead is False
 
 
-@pytest.mark.parametrize('timestep_steps', [0, 2])
+@pytest.mark.parametrize('timestep_steps', [0, 2, 8])
 def test_no_preparation_runs_on_after_the_last_freeze_timestep(monkeypatch, tmp_path,
                                                                timestep_steps):
   """After the last timestep that can end (epochs: the one before the last
   epoch; steps: the last multiple of ``freeze.timestep_steps`` before the
   end), no job prepares a plan that nothing would use: a kept one stops and
-  none starts."""
+  none starts (with 8 steps in all and ``timestep_steps=8``, none ever)."""
   config = _config(epochs=2)
   with config.unlocked():
     config.freeze.update(compile_ahead=True, timestep_steps=timestep_steps)
   trainer, _ = _trainer(config)  # 4 steps per epoch, 8 in all
   trainer.workdir = str(tmp_path)  # metrics.jsonl
-  prepared, jobs, at_epoch = [], [], []
+  prepared, at_start, at_end = [], [], []
   prepare_next, train_epoch = trainer.prepare_next, trainer.train_epoch
 
   def counted(batch):
     prepared.append(int(trainer.state['step']))
     prepare_next(batch)
-    if trainer._ahead is not None:  # noqa: SLF001
-      jobs.append(trainer._ahead)  # noqa: SLF001
 
   def epoch(number, *args, **kwargs):
-    at_epoch.append(trainer._ahead)  # noqa: SLF001
-    return train_epoch(number, *args, **kwargs)
+    at_start.append(trainer._ahead)  # noqa: SLF001
+    stats = train_epoch(number, *args, **kwargs)
+    at_end.append(trainer._ahead)  # noqa: SLF001
+    return stats
 
   monkeypatch.setattr(trainer, 'prepare_next', counted)
   monkeypatch.setattr(trainer, 'train_epoch', epoch)
@@ -551,12 +551,16 @@ def test_no_preparation_runs_on_after_the_last_freeze_timestep(monkeypatch, tmp_
   # predicted for the next one would be kept.
   monkeypatch.setattr(trainer, 'maybe_transition', lambda *args: 0.0)
   trainer.run(2, lambda epoch, steps: contextlib.nullcontext(_Bar()))
-  # Epochs: one timestep (after epoch 0); steps: at steps 2, 4 and 6.
-  assert prepared == ([0] if timestep_steps == 0 else [0, 2, 4])
-  if timestep_steps == 0:
-    assert at_epoch == [jobs[0], None]  # stopped before the last epoch
-  assert jobs and all(job.stale.is_set() for job in jobs)
-  assert trainer._ahead is None  # noqa: SLF001
+  # Timesteps end after epoch 0 (epochs), at steps 2, 4 and 6 (2), or never (8).
+  assert prepared == {0: [0], 2: [0, 2, 4], 8: []}[timestep_steps]
+  if timestep_steps == 8:
+    assert at_start == at_end == [None, None]
+    return
+  job = at_start[0]
+  assert job is not None and at_end[0] is job  # kept: the next decision keeps F
+  # Stopped before the last epoch (epochs) or at step 6, inside it (steps).
+  assert at_start[1] is (job if timestep_steps else None) and at_end[1] is None
+  assert job.stale.is_set()
 
 
 def test_a_failure_before_the_first_epoch_still_shuts_the_background_thread(monkeypatch):
