@@ -72,18 +72,23 @@ def _run(workdir: str, args: list[str]) -> dict:
   return {'summary': summary, 'rows': rows, 'process_seconds': process_seconds}
 
 
-def _forward_saved(summary: dict, rows: list[dict], batch: int) -> float:
-  """Seconds of frozen-prefix forward the cache replaced: every hit or
-  advanced entry saved its share of a batch forward at the depth measured by
-  the profiler, less the time spent reading and writing entries. A depth the
-  profiler did not re-measure (a filled cache kept, ``measured_at`` below the
-  depth) counts the forward of the shallower depth it was measured at, so
-  the figure is a lower bound."""
+def _forward_saved(summary: dict, rows: list[dict]) -> float:
+  """Seconds of frozen-prefix forward the cache replaced: every hit (an entry
+  read instead of computed) saved its share of a batch forward at the depth
+  measured by the profiler, less the time spent reading and writing entries.
+  The profiler times the forward of the plan's batch (with
+  ``train.batch_mode=per_pipeline`` it grows with R). A depth the profiler did
+  not re-measure (a filled cache kept, ``measured_at`` below the depth)
+  counts the forward of the shallower depth it was measured at, so the figure
+  is a lower bound."""
+  train = summary['config']['train']
   forward = {d['num_frozen_layers']: d['forward_seconds'] for d in summary['cache_decisions']}
   saved, hits_before = 0.0, 0
   for row in rows:
     hits = row.get('cache_hits', 0)
     depth = row['frozen_layers']
+    batch = train['batch_size'] * (row['replicas'] if train['batch_mode'] == 'per_pipeline'
+                                   else 1)
     if depth in forward:
       saved += (hits - hits_before) / batch * forward[depth]
     hits_before = hits
@@ -99,6 +104,9 @@ def main(argv=None) -> int:
   parser.add_argument('--repeats', type=int, default=1,
                       help='runs per variant, interleaved; the median total is reported')
   args, passthrough = parser.parse_known_args(argv)
+  if args.repeats < 1:
+    print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
+    return 2
   error = claim_workdir(args.workdir)
   if error:
     print(error, file=sys.stderr)
@@ -107,9 +115,6 @@ def main(argv=None) -> int:
     for name, variant in VARIANTS.items():  # each has its own stored programs
       print(f'warm-up run of {name} (not reported) ...', flush=True)
       _run(os.path.join(args.workdir, f'warmup-{name}'), variant + passthrough)
-  if args.repeats < 1:
-    print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
-    return 2
   runs = {name: [] for name in VARIANTS}
   for repeat in range(args.repeats):  # interleaved: a slow spell hits every variant
     for name, extra in VARIANTS.items():
@@ -123,7 +128,6 @@ def main(argv=None) -> int:
   table = []
   for name, r in results.items():
     s, rows = r['summary'], r['rows']
-    batch = s['config']['train']['batch_size']
     table.append({
         'variant': name, 'total_seconds': s['total_seconds'],
         'all_total_seconds': [x['summary']['total_seconds'] for x in runs[name]],
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
         'samples_per_second': [row['samples_per_second'] for row in rows],
         'cache_used': [row['cache'] for row in rows],
         'frozen_layers': [row['frozen_layers'] for row in rows],
-        'forward_seconds_saved': _forward_saved(s, rows, batch) if name != 'off' else 0.0,
+        'forward_seconds_saved': _forward_saved(s, rows) if name != 'off' else 0.0,
         'repeated_layer_passes': rows[-1].get('cache_repeated_layer_passes', 0),
         'cache_decisions': s['cache_decisions'],
     })

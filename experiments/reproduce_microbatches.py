@@ -72,11 +72,12 @@ def sweep(config, workdir: str) -> dict:
   trainer = Trainer(created.model, created.params, config, workdir, loader, loader,
                     devices=jax.devices()[:config.pipeline.devices], log=lambda _: None)
   lengths = pipeline_lengths(trainer, config, created.model.num_layers)
-  batches = list(loader.epoch(0))[:STEPS]
   rows, skipped_by_k = [], {}
   for k, (f, partition) in sorted(lengths.items(), reverse=True):
     base = trainer._plan(partition, k)  # noqa: SLF001
     trainer.plan = base
+    # The plan's global batch (per_pipeline: it grows with R), as training feeds it.
+    batches = list(trainer._train_loader().epoch(0))[:STEPS]  # noqa: SLF001
     trainer.state = trainer._init_state(created.params, base)  # noqa: SLF001
     per_replica = trainer.batch_size(base) // base.replicas
     candidates = autopipe.micro_batch_candidates(k, per_replica)  # what training profiles
@@ -97,7 +98,7 @@ def sweep(config, workdir: str) -> dict:
         jax.block_until_ready(trainer.state)
         if round_:
           best[m] = min(best[m], (time.perf_counter() - t0) / len(batches))
-    batch = trainer.batch_size(base)
+    batch = len(batches[0][0])  # samples per step
     for m in candidates:
       rows.append({'pipeline_length': k, 'frozen_layers': f, 'replicas': base.replicas,
                    'micro_batches': m, 'm_over_k': m / k, 'step_seconds': best[m],

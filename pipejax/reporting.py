@@ -135,11 +135,15 @@ def plot_summary(workdir: str, rows: list[dict[str, Any]], title: str) -> str:
   ax2.set_ylabel('eval accuracy')
   ax2.set_ylim(0, 1)
   ax.set_title('loss / accuracy')
-  axes[1].step(t, [r['frozen_layers'] for r in rows], where='post')
+
+  def steps(ax, key, **kwargs):  # a row's plan held during its epoch: from the last end to its own
+    ax.step([0.0] + t, [rows[0][key]] + [r[key] for r in rows], where='pre', **kwargs)
+
+  steps(axes[1], 'frozen_layers')
   axes[1].set_title('frozen layers')
   axes[1].set_xlabel('wall-clock s')
-  axes[2].step(t, [r['pipeline_length'] for r in rows], where='post', label='K (pipeline length)')
-  axes[2].step(t, [r['replicas'] for r in rows], where='post', label='R (replicas)')
+  steps(axes[2], 'pipeline_length', label='K (pipeline length)')
+  steps(axes[2], 'replicas', label='R (replicas)')
   axes[2].legend()
   axes[2].set_title('K and R')
   axes[2].set_xlabel('wall-clock s')

@@ -58,6 +58,7 @@ class Transition:
   cache_seconds: float = 0.0
   total_seconds: float = 0.0  # the whole transition: decision, compile wait, move, cache
   warmup_seconds: float = 0.0  # the new plan's first step beyond the epoch's mean step
+  cache: bool | None = None  # the cache serves the new depth (None: a record from before)
 
 
 def layer_grad_norms(grads: Params, partition: part.Partition, tables=None) -> jax.Array:
@@ -1010,7 +1011,8 @@ class Trainer:
                                         self.batch_size(new), self._epochs_left())
     self.transitions.append(Transition(epoch, int(self.state['step']), decision.result,
                                        old.describe(), new.describe(), reshard, compile_s,
-                                       ahead_used, cache_s, time.perf_counter() - start))
+                                       ahead_used, cache_s, time.perf_counter() - start,
+                                       cache=self.prefix.use_cache))
     self._first_step_pending = True
     self.log(f'  transition: {old.describe()} -> {new.describe()} (reshard {reshard:.2f}s, '
              f'cache {cache_s:.2f}s, compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')

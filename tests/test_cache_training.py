@@ -43,6 +43,8 @@ def test_cached_training_equals_uncached(uncached):
   trainer, cached, used = _run('on')
   assert plain_used == [False] * 4 and used == [False, True, True, True]
   assert [t.frozen_layers for t in trainer.transitions] == [2, 3]
+  assert [t.cache for t in trainer.transitions] == [True, True]
+  assert [t.cache for t in plain_trainer.transitions] == [False, False]
   # fp32 entries are the prefix's own output, and advanced entries went through
   # the same blocks: the losses agree to float rounding.
   np.testing.assert_allclose(cached, plain, rtol=1e-5)
@@ -130,6 +132,7 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
     trainer.maybe_transition(epoch, sample)
   decisions = trainer.prefix.decisions
   assert [t.frozen_layers for t in trainer.transitions] == [3, 4, 5] and timed == [3, 4]
+  assert [t.cache for t in trainer.transitions] == [True, True, True]  # recorded per transition
   assert [(d.num_frozen_layers, d.measured_at, d.filled, d.use_cache) for d in decisions] == [
       (3, 3, False, True), (4, 4, True, True), (5, 4, True, True)]
   kept = decisions[-1]

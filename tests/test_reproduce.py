@@ -51,6 +51,29 @@ def test_flop_limit_counts_trained_frozen_and_cached_blocks():
   assert reproduce.samples_trained(_summary(mode='per_pipeline'), dp) == [640, 640]
 
 
+def test_flop_limit_prices_each_stretch_of_an_epoch_at_its_own_depth():
+  """With freeze.timestep_steps, freeze events fall inside epochs: each
+  stretch of steps is priced at the depth (and cache) it ran with, not the
+  epoch's end."""
+  # 12 blocks, one epoch of 100 steps; F 0 -> 6 at step 50 (computed prefix).
+  summary = _summary(num_layers=12, transitions=[
+      {'step': 50, 'frozen_layers': 6, 'cache': False}])
+  rows = [_row(0, 6, 100)]
+  assert reproduce.flop_limit_speedup(summary, rows) == pytest.approx(
+      (48 * 100) / (48 * 50 + (4 * 6 + 6) * 50))  # not 48 / 30 (the end's depth throughout)
+  # 4 blocks, 10 steps of 8: F = 0 for 4 steps, 2 (computed) for 3, 3 (cached) for 3; the
+  # cache's own passes that epoch: 24. Then an epoch at the row's own depth and cache.
+  summary = _summary(transitions=[{'step': 4, 'frozen_layers': 2, 'cache': False},
+                                  {'step': 7, 'frozen_layers': 3, 'cache': True},
+                                  {'step': 10, 'frozen_layers': 3, 'cache': True}])
+  rows = [_row(0, 3, 10, cache=True, passes=24), _row(1, 3, 20, cache=True, passes=24)]
+  work = (16 * 4 + (4 * 2 + 2) * 3 + 4 * 1 * 3) * 8 + 24 + 4 * 1 * 80
+  assert reproduce.flop_limit_speedup(summary, rows) == pytest.approx(2 * 16 * 80 / work)
+  # A transition record from before it noted the cache: the epoch's row decides.
+  summary['transitions'][1].pop('cache')
+  assert reproduce.flop_limit_speedup(summary, rows) == pytest.approx(2 * 16 * 80 / work)
+
+
 def test_describe_run_speedups_and_where_time_went():
   base = {'summary': _summary(total=20.0, train=18.0), 'process_seconds': 25.0,
           'rows': [_row(0, 0, 10, seconds=8.0), _row(1, 0, 20, seconds=8.0)]}
@@ -71,10 +94,11 @@ def test_describe_run_speedups_and_where_time_went():
 class _FakeRunner(reproduce.Runner):
   """Synthetic runs: time falls and accuracy is fixed per variant and seed."""
 
-  def __init__(self, alpha=1 / 3, seed=0):
+  def __init__(self, alpha=1 / 3, seed=0, drop=0.0):
     super().__init__('/nonexistent', [], 'cold')
     self.calls = []
     self.alpha, self.seed = alpha, seed  # what runs without an override get (the config's)
+    self.drop = drop  # the accuracy that freezing loses
 
   def _execute(self, name, module, args):
     self.calls.append((name, module, tuple(args)))
@@ -88,7 +112,8 @@ class _FakeRunner(reproduce.Runner):
         'reshard_seconds': 0.1, 'compile_seconds': 1.0, 'compiled_ahead': True,
         'cache_seconds': 0.2, 'total_seconds': 1.5, 'warmup_seconds': 0.05}]
     timings = {'2': {'2': 0.01, '4': 0.03}} if frozen else {}
-    summary = _summary(total=total, train=total - 1, accuracy=0.9 + 0.01 * seed,
+    summary = _summary(total=total, train=total - 1,
+                       accuracy=0.9 + 0.01 * seed - (self.drop if frozen else 0.0),
                        transitions=transitions, timings=timings, alpha=alpha, seed=seed,
                        kind='plain_dp' if module == reproduce.PLAIN else 'elastic')
     rows = [_row(0, 0, 10), _row(1, frozen, 20)]
@@ -125,6 +150,16 @@ def test_parts_on_synthetic_runs(tmp_path):
     assert os.path.getsize(tmp_path / f'{part}.png') > 1000
 
 
+@pytest.mark.parametrize('drop, points, met', [
+    (0.01, 1.0, True),     # 0.9 - 0.89 is 1.0000000000000009 points: 1 point, met
+    (0.02, 2.0, False),
+    (-0.05, -5.0, True)])  # full more accurate than the baseline
+def test_the_accuracy_target_is_the_baseline_minus_full_in_points(tmp_path, drop, points, met):
+  out = reproduce.breakdown(_FakeRunner(drop=drop), str(tmp_path))
+  assert out['targets']['accuracy_points'] == pytest.approx(points, abs=1e-9)
+  assert out['targets_met']['accuracy_points'] is met
+
+
 def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
   """A --config file with another α or seed: the rows say what ran, not the
   labels of the parts."""
@@ -133,6 +168,12 @@ def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
   assert [r['alpha'] for r in alpha['rows']] == [0.1, 0.2, 0.25, 0.5]
   table = reproduce.table1(runner, str(tmp_path))
   assert [r['seeds'] for r in table['rows']] == [[5, 1, 2]] * 2
+  # An α or seed that another point of the part would repeat: never twice.
+  runner = _FakeRunner(alpha=0.2, seed=1)
+  alpha = reproduce.alpha(runner, str(tmp_path))
+  assert [r['alpha'] for r in alpha['rows']] == pytest.approx([0.1, 0.2, 1 / 3, 0.5])
+  table = reproduce.table1(runner, str(tmp_path))
+  assert [r['seeds'] for r in table['rows']] == [[1, 2, 3]] * 2
 
 
 @pytest.mark.parametrize('argv, message', [
@@ -212,23 +253,37 @@ def _tiny_config(**more):
   return config
 
 
-def test_microbatch_sweep(tmp_path):
+@pytest.mark.parametrize('batch_mode', ['constant', 'per_pipeline'])
+def test_microbatch_sweep(tmp_path, monkeypatch, batch_mode):
+  """Each K's M are timed on the batch that training feeds that plan (with
+  per_pipeline it grows with R), and throughput counts those samples."""
   from experiments import reproduce_microbatches  # noqa: PLC0415
-  config = _tiny_config(**{'train.epochs': 3})
+  from pipejax.trainer import Trainer  # noqa: PLC0415
+  fed = {}
+  feed = Trainer._feed  # noqa: SLF001
+
+  def recorded(self, ids, batch, plan):
+    fed.setdefault(plan.pipeline_length, set()).add(len(ids))
+    return feed(self, ids, batch, plan)
+
+  monkeypatch.setattr(Trainer, '_feed', recorded)
+  config = _tiny_config(**{'train.epochs': 3, 'train.batch_mode': batch_mode})
   out = reproduce_microbatches.sweep(config, str(tmp_path))
   lengths = sorted({r['pipeline_length'] for r in out['rows']}, reverse=True)
   assert lengths[0] == 4 and len(lengths) > 1  # the α bound compresses the pipeline
   for k in lengths:
     rows = [r for r in out['rows'] if r['pipeline_length'] == k]
     ms, skipped = [r['micro_batches'] for r in rows], out['skipped'][str(k)]
-    per_replica = config.train.batch_size // (config.pipeline.devices // k)
-    assert {r['replicas'] for r in rows} == {config.pipeline.devices // k}
+    replicas = config.pipeline.devices // k
+    batch = config.train.batch_size * (replicas if batch_mode == 'per_pipeline' else 1)
+    per_replica = batch // replicas
+    assert {r['replicas'] for r in rows} == {replicas} and fed[k] == {batch}
     # M in {K, ..., 6K}: those that split a replica's batch evenly are timed, the rest skipped.
     assert ms == [m * k for m in range(1, 7) if per_replica % (m * k) == 0]
     assert skipped == [m * k for m in range(1, 7) if per_replica % (m * k)]
     assert all(r['step_seconds'] > 0 for r in rows)
-    assert all(r['samples_per_second'] == pytest.approx(config.train.batch_size
-                                                        / r['step_seconds']) for r in rows)
+    assert all(r['samples_per_second'] == pytest.approx(batch / r['step_seconds'])
+               for r in rows)
   assert out['machine'] == reproduce.machine()
   assert os.path.getsize(tmp_path / 'microbatches.png') > 1000
 

@@ -351,3 +351,27 @@ def test_several_processes_without_a_workdir_stop_before_the_data_loads(tmp_path
   with pytest.raises(elastic.ConfigError, match='several processes needs --workdir'):
     elastic.run(config, None, 'vit')
   assert not os.path.exists(tmp_path / 'runs')
+
+
+def test_summary_plot_draws_each_epochs_plan_over_that_epoch(tmp_path, monkeypatch):
+  """A row's F, K and R held while its epoch ran: from the previous row's
+  wall-clock time (the run's start for the first) to its own."""
+  import matplotlib.axes  # noqa: PLC0415
+  from pipejax import reporting  # noqa: PLC0415
+  drawn = []
+  step = matplotlib.axes.Axes.step
+
+  def recorded(self, x, y, *args, where='pre', **kwargs):
+    drawn.append((list(x), list(y), where))
+    return step(self, x, y, *args, where=where, **kwargs)
+
+  monkeypatch.setattr(matplotlib.axes.Axes, 'step', recorded)
+  rows = [{'wall_seconds': t, 'frozen_layers': f, 'pipeline_length': k, 'replicas': r,
+           'train_loss': 1.0, 'eval_accuracy': 0.5}
+          for t, f, k, r in ((2.0, 0, 8, 1), (3.0, 4, 8, 1), (3.5, 9, 4, 2))]
+  reporting.plot_summary(str(tmp_path), rows, 'test')
+  frozen, k, r = drawn
+  # (0, 2]: F=0, (2, 3]: F=4, (3, 3.5]: F=9 — 'pre' takes each segment's value from its right end.
+  assert frozen == ([0.0, 2.0, 3.0, 3.5], [0, 0, 4, 9], 'pre')
+  assert k[1:] == ([8, 8, 8, 4], 'pre') and r[1:] == ([1, 1, 1, 2], 'pre')
+  assert os.path.getsize(tmp_path / 'summary.png') > 1000
