@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,40 @@ def claim_workdir(path: str) -> str | None:
   return None
 
 
+def freezes_nothing(passthrough: list[str]) -> bool:
+  """Whether the arguments passed to every run set ``freeze.policy=none``
+  (``--config.freeze.policy=none`` or ``--config.freeze.policy none``)."""
+  for i, arg in enumerate(passthrough):
+    if arg == '--config.freeze.policy=none' or (
+        arg == '--config.freeze.policy' and passthrough[i + 1:i + 2] == ['none']):
+      return True
+  return False
+
+
+def run_child(cmd: list[str], capture: bool = True, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+  """``subprocess.run`` of one benchmark run that does not outlive this
+  process: a stop of the benchmark (Ctrl-C, or SIGTERM, see
+  :func:`stop_children_on_sigterm`) kills the run too."""
+  with subprocess.Popen(cmd, text=True, env=env, stdout=subprocess.PIPE if capture else None,
+                        stderr=subprocess.PIPE if capture else None) as proc:
+    try:
+      out, err = proc.communicate()
+    except BaseException:
+      proc.kill()
+      proc.wait()
+      raise
+  return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_children_on_sigterm() -> None:
+  """SIGTERM ends the benchmark as Ctrl-C does (an exception, so that the run
+  in progress is killed with it, not left running)."""
+  def stop(signum, frame):
+    raise SystemExit(128 + signum)
+  signal.signal(signal.SIGTERM, stop)
+
+
 def fail(message: str):
   """Ends the benchmark with ``message`` on one line and exit status 2."""
   print(message, file=sys.stderr, flush=True)
@@ -60,7 +95,7 @@ def _run(workdir: str, args: list[str]) -> dict:
   ``total_seconds`` plus the interpreter's start, the imports and the exit)."""
   cmd = [sys.executable, '-m', 'experiments.vit_imagenet', f'--workdir={workdir}', *args]
   start = time.perf_counter()
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  proc = run_child(cmd)
   process_seconds = time.perf_counter() - start
   if proc.returncode:
     tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
@@ -106,6 +141,10 @@ def main(argv=None) -> int:
   args, passthrough = parser.parse_known_args(argv)
   if args.repeats < 1:
     print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
+    return 2
+  if freezes_nothing(passthrough):
+    print('error: --config.freeze.policy=none freezes nothing, so no variant would cache; '
+          'leave it out', file=sys.stderr)
     return 2
   error = claim_workdir(args.workdir)
   if error:
@@ -175,4 +214,5 @@ def _plot(workdir: str, results: dict) -> None:
 
 
 if __name__ == '__main__':
+  stop_children_on_sigterm()  # here, not in main(): a caller keeps its own handlers
   sys.exit(main())

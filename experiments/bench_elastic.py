@@ -33,7 +33,8 @@ import os
 import statistics
 import sys
 
-from experiments.bench_cache import _run, claim_workdir
+from experiments.bench_cache import (_run, claim_workdir, freezes_nothing,
+                                     stop_children_on_sigterm)
 from experiments.reproduce import flop_limit_speedup
 
 VARIANTS = {'elastic': [], 'baseline': ['--config.freeze.policy=none']}
@@ -118,6 +119,10 @@ def main(argv=None) -> int:
   args, passthrough = parser.parse_known_args(argv)
   if args.repeats < 1:
     print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
+    return 2
+  if freezes_nothing(passthrough):
+    print('error: --config.freeze.policy=none would make the elastic run a second baseline; '
+          'leave it out', file=sys.stderr)
     return 2
   error = claim_workdir(args.workdir)
   if error:
@@ -208,4 +213,5 @@ def _plot(workdir: str, pairs: list[dict]) -> None:
 
 
 if __name__ == '__main__':
+  stop_children_on_sigterm()  # here, not in main(): a caller keeps its own handlers
   sys.exit(main())

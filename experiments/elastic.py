@@ -80,6 +80,16 @@ def check_config(config, num_devices_available: int) -> None:
                       f'train.epochs={c.train.epochs}')
   if c.freeze.timestep_steps < 0:
     raise ConfigError(f'freeze.timestep_steps must be >= 0, got {c.freeze.timestep_steps}')
+  if not (np.isfinite(c.train.learning_rate) and c.train.learning_rate > 0):
+    raise ConfigError(f'train.learning_rate must be > 0, got {c.train.learning_rate}')
+  if not (np.isfinite(c.train.weight_decay) and c.train.weight_decay >= 0):
+    raise ConfigError(f'train.weight_decay must be >= 0, got {c.train.weight_decay}')
+  if c.train.max_steps_per_epoch < 0:
+    raise ConfigError(f'train.max_steps_per_epoch must be >= 0 (0: whole epochs), got '
+                      f'{c.train.max_steps_per_epoch}')
+  if not 0 <= c.freeze.lambda_frozen <= 1:  # also refuses NaN
+    raise ConfigError(f"freeze.lambda_frozen (a frozen layer's cost relative to a trained "
+                      f'one) must be in [0, 1], got {c.freeze.lambda_frozen}')
   if c.freeze.timestep_steps and c.train.batch_mode != 'constant':
     raise ConfigError('freeze.timestep_steps needs train.batch_mode=constant (a transition '
                       'inside an epoch cannot change the batch size)')
@@ -169,15 +179,16 @@ def resolve_data(config, task: str = 'vit'):
   if name == 'digits':
     return datasets.digits(seed=config.seed)
   if name in ('auto', 'imagenet2012'):
+    data_dir = config.data.data_dir
+    if (name == 'auto' and data_dir and '://' not in data_dir
+        and not os.path.isdir(os.path.expanduser(data_dir))):
+      raise ConfigError(f'data.data_dir={data_dir} is not a directory (data.name=auto falls '
+                        f'back to the digits only where ImageNet is absent)')
     # 'auto' looks for a prepared copy first: without one, TFDS is not even imported.
-    reason = datasets.imagenet_missing(config.data.data_dir) if name == 'auto' else None
+    # A copy that looks prepared but cannot be read is an error, never the fallback.
+    reason = datasets.imagenet_missing(data_dir) if name == 'auto' else None
     if reason is None:
-      try:
-        return datasets.imagenet(config.data.data_dir, config.data.image_size)
-      except datasets.DatasetMissing as e:
-        if name != 'auto':
-          raise
-        reason = str(e).split(';')[0]
+      return datasets.imagenet(data_dir, config.data.image_size)
     _log(f'ImageNet not found ({reason}); running the embedded default: '
          f'a 12-block ViT on scikit-learn digits with {config.pipeline.devices} devices')
     return datasets.digits(seed=config.seed)
@@ -473,6 +484,13 @@ def run(config, workdir: str | None, task: str,
       trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
     if config.resume:
       _resume(workdir, trainer, ckpt, ident)
+      done = os.path.join(workdir, 'summary.json')
+      if trainer.epochs_done >= config.train.epochs and os.path.exists(done):
+        _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
+             f'train, its outputs are kept (--config.train.epochs=N trains on to epoch N, '
+             f'--config.resume=False starts over)')
+        with open(done) as f:
+          return json.load(f)
     result = trainer.run(config.train.epochs, _progress, save=save,
                          stop_requested=distributed.agreed_stop(stop_requested),
                          save_every_steps=config.checkpoint.every_steps)
@@ -636,6 +654,29 @@ def usage(config, config_file: str, require_workdir: bool = False) -> str:
   return '\n'.join(lines)
 
 
+def _command_line_error(error: Exception, argv: list[str]) -> str:
+  """One line for a command line that absl or ml_collections refused:
+  an unknown config key by its full name (they name only its last part)."""
+  lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+  if isinstance(error, SyntaxError):
+    return f'cannot load the --config file: {type(error).__name__}: {lines[0]}'
+  if any('config file' in line or 'earlier failure to load' in line for line in lines):
+    why = lines[-1].split('earlier failure to load: ')[-1]  # the last line says why
+    return f'cannot load the --config file: {why}'
+  detail = lines[0] if lines else type(error).__name__
+  if 'before a value for --config was specified' in detail:
+    return f'bad command line: {detail}; put --config FILE before the --config.KEY overrides'
+  name = detail.strip('\'"')
+  if isinstance(error, KeyError) or (name.isidentifier() and name != detail):
+    keys = [a.split('=', 1)[0][len('--config.'):] for a in argv[1:]
+            if a.startswith('--config.')]
+    named = [k for k in keys if k == name or k.endswith('.' + name) or f'.{name}.' in f'.{k}.']
+    if named:
+      return f'unknown config key {named[0]!r} (--help lists the keys)'
+  return (f'bad command line: {detail} (a config key that does not exist, or a value of the '
+          f'wrong type; --help lists the keys)')
+
+
 def parse_command_line(config_file: str, argv=None, require_workdir: bool = False):
   """``--config`` (``config_file`` by default, with overrides) and
   ``--workdir`` (``require_workdir``: it must be given, as the benchmarks
@@ -654,9 +695,12 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
     rest = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
-    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    print(f'error: bad command line: {detail} (a config key that does not exist, or a value '
-          f'of the wrong type; --help lists the keys)', file=sys.stderr)
+    print(f'error: {_command_line_error(e, argv)}', file=sys.stderr)
+    return None
+  try:
+    flags.FLAGS.config.keys  # noqa: B018 - a --config file that failed to load raises here
+  except Exception as e:  # noqa: BLE001 - the file: missing, a directory, unreadable
+    print(f'error: {_command_line_error(e, argv)}', file=sys.stderr)
     return None
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir), flush=True)

@@ -52,11 +52,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from experiments.bench_cache import claim_workdir, fail
+from experiments.bench_cache import (claim_workdir, fail, freezes_nothing, run_child,
+                                     stop_children_on_sigterm)
 
 PARTS = ('breakdown', 'alpha', 'microbatches', 'transitions', 'table1')
 MAIN, PLAIN = 'experiments.vit_imagenet', 'experiments.plain_dp'
@@ -100,7 +100,7 @@ class Runner:
     cmd = [sys.executable, '-m', module, f'--workdir={workdir}', *self.passthrough, *args,
            '--config.checkpoint.enabled=False', f'--config.pipeline.profile_path={profile}']
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    proc = run_child(cmd, env=env)
     if proc.returncode:
       tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
       fail(f'error: run {name!r} failed ({" ".join(cmd)}): {tail}')
@@ -436,7 +436,7 @@ def microbatches(runner: Runner, workdir: str) -> dict:
   cmd = [sys.executable, '-m', 'experiments.reproduce_microbatches', f'--workdir={workdir}',
          *runner.passthrough]
   print('  microbatches ...', flush=True)
-  proc = subprocess.run(cmd, text=True, check=False)
+  proc = run_child(cmd, capture=False)
   if proc.returncode:
     fail(f'error: the micro-batch sweep failed ({" ".join(cmd)})')
   with open(out) as f:
@@ -468,8 +468,8 @@ def main(argv=None) -> int:
   only = [p.strip() for p in args.only.split(',') if p.strip()]
   unknown = [p for p in only if p not in PARTS]
   if unknown or not only:
-    print(f'error: unknown part(s) {unknown or only}; choose from {", ".join(PARTS)}',
-          file=sys.stderr)
+    print(f'error: {f"unknown part(s) {unknown}" if unknown else "--only names no part"}; '
+          f'choose from {", ".join(PARTS)}', file=sys.stderr)
     return 2
   variants = [v.strip() for v in args.variants.split(',') if v.strip()]
   unknown = [v for v in variants if v not in BREAKDOWN]
@@ -481,6 +481,10 @@ def main(argv=None) -> int:
   if bad:
     print(f'error: unexpected arguments {bad} (only --config and --config.KEY=VALUE pass '
           f'through)', file=sys.stderr)
+    return 2
+  if freezes_nothing(passthrough):
+    print('error: --config.freeze.policy=none would turn every variant into the baseline; '
+          'leave it out', file=sys.stderr)
     return 2
   varied = {'alpha': '--config.freeze.alpha', 'table1': '--config.seed'}
   clash = [f'{flag} (the {part} part sets it)' for part, flag in varied.items()
@@ -507,4 +511,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
+  stop_children_on_sigterm()  # here, not in main(): a caller keeps its own handlers
   sys.exit(main())

@@ -93,6 +93,10 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
     raise ValueError(f'--frozen-layers must be in [0, {num_layers - 1}], got {frozen_layers}')
   if devices < 1:
     raise ValueError(f'--devices must be >= 1, got {devices}')
+  if not 0 <= lambda_frozen <= 1:  # also refuses NaN
+    raise ValueError(f'--lambda-frozen must be in [0, 1], got {lambda_frozen}')
+  if batch_size is not None and batch_size < 1:
+    raise ValueError(f'--batch-size must be >= 1, got {batch_size}')
   if initial_pipeline_length is not None and initial_pipeline_length < 1:
     raise ValueError(f'--initial-pipeline-length must be >= 1, got {initial_pipeline_length}')
   initial = initial_pipeline_length or devices

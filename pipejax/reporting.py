@@ -73,11 +73,17 @@ def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None)
   """Rewrites ``metrics.jsonl`` (atomically) with the rows of epochs
   ``< epochs`` only: a run resumed from a checkpoint drops the rows written
   after it. ``last_row`` (the checkpoint's copy of epoch ``epochs - 1``'s
-  row) fills that row in if the crash came before it was written. Returns
-  the rows dropped."""
+  row) fills that row in if the crash came before it was written (a copy
+  saved before the row had its timings is given ``checkpoint_seconds`` 0 and a
+  ``wall_seconds`` of the row before plus this epoch's training, transitions
+  and evaluation). Returns the rows dropped."""
   rows = read_rows(workdir)
   kept = [r for r in rows if r['epoch'] < epochs]
   if last_row is not None and not any(r['epoch'] == last_row['epoch'] for r in kept):
+    if 'wall_seconds' not in last_row:
+      before = kept[-1].get('wall_seconds', 0.0) if kept else 0.0
+      last_row = {'checkpoint_seconds': 0.0, **last_row, 'wall_seconds': before + sum(
+          last_row.get(k, 0.0) for k in ('epoch_seconds', 'transition_seconds', 'eval_seconds'))}
     kept.append(last_row)
   path = os.path.join(workdir, 'metrics.jsonl')
   # Nothing to drop and nothing torn: leave the file alone.

@@ -556,6 +556,12 @@ class Trainer:
     self.log(f'resumed at step {meta["step"]} (epoch {meta["epoch"]}, '
              f'{meta["step_in_epoch"]}/{self.steps_per_epoch} batches): {self.plan.describe()}')
 
+  @property
+  def epochs_done(self) -> int:
+    """Whole epochs trained before :meth:`run` (after :meth:`restore`: the
+    checkpoint's)."""
+    return self._start[0]
+
   # -- compiled steps ------------------------------------------------------------
   def _step_program(self, plan: pipeline.Plan):
     """The jitted ``(state, feed, tables) -> state`` of ``plan``, shared by
@@ -1115,8 +1121,12 @@ class Trainer:
       t0 = time.perf_counter()
       path = None
       if save is not None:
+        # The checkpoint's copy of the row (it replaces a row lost in a crash):
+        # complete but for the save's own seconds.
+        saved_row = dict(row, checkpoint_seconds=0.0, wall_seconds=self._wall_offset + t0 -
+                         self._run_start)
         path = save(portable, {**self.checkpoint_meta(epoch, stats['steps'] + (
-            start_step if epoch == start_epoch else 0), True), 'row': row}, False)
+            start_step if epoch == start_epoch else 0), True), 'row': saved_row}, False)
       row['checkpoint_seconds'] = time.perf_counter() - t0
       row['wall_seconds'] = self._wall_offset + time.perf_counter() - self._run_start
       metrics_log.append(row)

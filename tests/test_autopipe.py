@@ -249,6 +249,11 @@ def test_plan_cli_vit_b16():
     plan_lib.build_plan('vit-b16', 0, 0)
   with pytest.raises(ValueError, match='--initial-pipeline-length must be >= 1, got 0'):
     plan_lib.build_plan('vit-b16', 8, 0, initial_pipeline_length=0)
+  for value in (-1.0, float('nan'), 2.0):
+    with pytest.raises(ValueError, match=r'--lambda-frozen must be in \[0, 1\]'):
+      plan_lib.build_plan('vit-b16', 8, 0, lambda_frozen=value)
+  with pytest.raises(ValueError, match='--batch-size must be >= 1, got -4'):
+    plan_lib.build_plan('vit-b16', 8, 0, batch_size=-4)
 
 
 def _plan_cli(*args):

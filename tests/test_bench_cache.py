@@ -1,6 +1,9 @@
 """experiments.bench_cache: the frozen-forward time the cache saved, and its
 argument checks (the real runs are the main job's own tests)."""
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -36,3 +39,27 @@ def test_bad_repeats_is_refused_before_any_run_or_directory(tmp_path, capsys, mo
   assert bench_cache.main(['--workdir', str(workdir), '--repeats', '0']) == 2
   assert capsys.readouterr().err.strip() == 'error: --repeats must be >= 1, got 0'
   assert not os.path.exists(workdir)
+
+
+def test_a_policy_that_freezes_nothing_is_refused(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(bench_cache, '_run', lambda *a: pytest.fail('a run started'))
+  assert bench_cache.main(['--workdir', str(tmp_path / 'w'), '--config.freeze.policy=none']) == 2
+  assert 'freezes nothing' in capsys.readouterr().err
+  assert not os.path.exists(tmp_path / 'w')
+
+
+def test_a_stopped_benchmark_takes_its_running_run_with_it():
+  """SIGTERM (e.g. from ``timeout``) to a benchmark kills the run in progress
+  too, instead of leaving it training on, orphaned."""
+  parent = subprocess.Popen(
+      [sys.executable, '-c', 'import sys\n'
+       'from experiments.bench_cache import run_child, stop_children_on_sigterm\n'
+       'stop_children_on_sigterm()\n'
+       'run_child([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); '
+       'time.sleep(120)"], capture=False)\n'],
+      stdout=subprocess.PIPE, text=True)
+  child = int(parent.stdout.readline())
+  parent.send_signal(signal.SIGTERM)
+  assert parent.wait(60) == 128 + signal.SIGTERM
+  with pytest.raises(ProcessLookupError):
+    os.kill(child, 0)  # killed and reaped

@@ -103,7 +103,10 @@ def test_criteria_hold_in_every_pair_and_strict_exits_non_zero(tmp_path, monkeyp
                              '--no-warmup', '--strict']) == 1
 
 
-@pytest.mark.parametrize('argv, message', [(['--repeats', '0'], '--repeats must be >= 1')])
+@pytest.mark.parametrize('argv, message', [
+    (['--repeats', '0'], '--repeats must be >= 1'),
+    (['--config.freeze.policy=none'], 'would make the elastic run a second baseline'),
+    (['--config.freeze.policy', 'none'], 'would make the elastic run a second baseline')])
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
   assert bench_elastic.main(['--workdir', str(tmp_path / 'w'), *argv]) == 2
   err = capsys.readouterr().err.strip()

@@ -178,6 +178,9 @@ def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
 
 @pytest.mark.parametrize('argv, message', [
     (['--only', 'nope'], "unknown part(s) ['nope']"),
+    (['--only', ' , '], '--only names no part; choose from breakdown'),
+    (['--only', 'breakdown', '--config.freeze.policy=none'],
+     'would turn every variant into the baseline'),
     (['--variants', 'baseline,nope'], "unknown variant(s) ['nope']"),
     (['--bogus=1'], 'unexpected arguments'),
     (['--only', 'alpha', '--config.freeze.alpha=0.5'],

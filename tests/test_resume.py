@@ -305,15 +305,47 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert f'resuming from {os.path.join(os.path.abspath(workdir), "checkpoints", "2")}' in (
       capsys.readouterr().out)
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
-  # A finished run: the same command trains nothing more; resume=False starts over.
+  # A finished run: the same command trains nothing more and keeps its
+  # summary (not the figures of a run that trained nothing); resume=False starts over.
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    summary = f.read()
+  capsys.readouterr()
   assert elastic.main(config(), workdir, task='vit') == 0
+  assert 'holds a finished run of 2 epochs: nothing to train' in capsys.readouterr().out
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    assert f.read() == summary
   again = config()
   with again.unlocked():
     again.resume, again.train.epochs = False, 1
   assert elastic.main(again, workdir, task='vit') == 0
   assert 'starting over' in capsys.readouterr().out
   assert [r['epoch'] for r in _rows(workdir)] == [0]
+
+
+def test_a_last_row_torn_by_a_crash_comes_back_from_the_checkpoint_with_its_timings(tmp_path):
+  """Killed while writing the last epoch's row, before the summary: the same
+  command restores the row from the checkpoint (its wall-clock time too, which
+  the summary plot needs), trains nothing more and writes the outputs."""
+  config = _config(str(tmp_path / 'p.json'), **{'train.epochs': 2,
+                                                'pipeline.micro_batches': 4})
+  workdir = str(tmp_path / 'run')
+  elastic.run(config, workdir, task='vit')
+  rows = _rows(workdir)
+  path = os.path.join(workdir, 'metrics.jsonl')
+  with open(path, 'rb+') as f:
+    f.truncate(os.path.getsize(path) - 50)  # the last row torn
+  os.remove(os.path.join(workdir, 'summary.json'))  # the crash came before it
+  os.remove(os.path.join(workdir, 'summary.png'))
+  summary = elastic.run(_config(str(tmp_path / 'p.json'), **{
+      'train.epochs': 2, 'pipeline.micro_batches': 4}), workdir, task='vit')
+  restored = _rows(workdir)
+  assert [{k: r[k] for k in EXACT} for r in restored] == [{k: r[k] for k in EXACT} for r in rows]
+  # The copy was saved before its own save: its wall time is the save's start.
+  assert rows[0]['wall_seconds'] < restored[1]['wall_seconds'] <= rows[1]['wall_seconds']
+  assert restored[1]['checkpoint_seconds'] == 0.0
+  assert summary['final_eval_accuracy'] == rows[1]['eval_accuracy']
+  assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
 
 
 def test_identity_names_the_keys_that_differ():
@@ -360,15 +392,19 @@ def test_a_damaged_metrics_line_before_the_last_is_an_error_and_the_file_is_kept
 def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
   log = reporting.MetricsLog(str(tmp_path))
   for epoch in range(3):
-    log.append({'epoch': epoch, 'train_loss': float(epoch)})
+    log.append({'epoch': epoch, 'train_loss': float(epoch), 'wall_seconds': 1.0 + epoch})
   with open(log.path, 'a') as f:
     f.write('{"epoch": 3, "trai')  # torn by a crash
   assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
   assert reporting.keep_rows(str(tmp_path), 2) == 1
   assert [r['epoch'] for r in reporting.MetricsLog(str(tmp_path)).rows] == [0, 1]
-  # A checkpoint's own copy fills in a row the crash kept from the file.
-  reporting.keep_rows(str(tmp_path), 3, {'epoch': 2, 'train_loss': 2.0})
+  # A checkpoint's own copy fills in a row the crash kept from the file; one
+  # saved before copies had timings gets the row before's wall time plus its epoch's.
+  reporting.keep_rows(str(tmp_path), 3, {'epoch': 2, 'train_loss': 2.0, 'epoch_seconds': 0.5,
+                                         'transition_seconds': 0.125, 'eval_seconds': 0.25})
   assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
+  filled = reporting.read_rows(str(tmp_path))[2]
+  assert (filled['wall_seconds'], filled['checkpoint_seconds']) == (2.0 + 0.875, 0.0)
   # A torn row with nothing to drop (resumed from the checkpoint of the epoch
   # before it): the tear goes, so the rows appended next are not glued to it.
   with open(log.path, 'a') as f:

@@ -86,7 +86,8 @@ print(data.name, 'tensorflow_datasets' in sys.modules)
 def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
   """``data.name=auto`` without a prepared ImageNet falls back to digits
   without importing TFDS (0.5 s); a directory that looks prepared goes
-  through TFDS, whose error still falls back in one line."""
+  through TFDS, and one that TFDS cannot read is an error (a broken data
+  set, not an absent one), as is a ``data.data_dir`` that does not exist."""
   empty = tmp_path / 'empty'
   empty.mkdir()
   out = subprocess.run([sys.executable, '-c', _PROBE, str(empty)], capture_output=True,
@@ -98,10 +99,15 @@ def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
   looks_prepared.mkdir(parents=True)
   (looks_prepared / 'dataset_info.json').write_text('{}')
   assert datasets.imagenet_missing(str(tmp_path / 'tfds')) is None
-  out = subprocess.run([sys.executable, '-c', _PROBE, str(tmp_path / 'tfds')],
-                       capture_output=True, text=True, timeout=300, check=True)
-  assert out.stdout.splitlines()[-1].split() == ['digits', 'True']
-  assert 'ImageNet not found (imagenet2012 is not prepared for TFDS' in out.stdout + out.stderr
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.data.data_dir = str(tmp_path / 'tfds')
+  with pytest.raises(datasets.DatasetMissing, match='imagenet2012 is not prepared for TFDS in '):
+    elastic.resolve_data(config)
+  with config.unlocked():
+    config.data.data_dir = str(tmp_path / 'nowhere')
+  with pytest.raises(elastic.ConfigError, match='nowhere is not a directory'):
+    elastic.resolve_data(config)
   assert datasets.imagenet_missing('gs://bucket/tfds') is None  # only TFDS can look there
   odd = tmp_path / 'data [1]' / 'imagenet2012' / '5.1.0'  # glob characters in the path
   odd.mkdir(parents=True)
@@ -154,7 +160,20 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
      'train.eval_batch_size=12 must be 0 (4 x the global batch) or a multiple of the 8 devices'),
     (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
      'imagenet2012 is not prepared'),
-    (['--config.train.no_such_key=1'], 'no_such_key'),
+    (['--config.data.data_dir={tmp}/nowhere'], 'data.data_dir={tmp}/nowhere is not a directory'),
+    (['--config.train.no_such_key=1'], "unknown config key 'train.no_such_key'"),
+    (['--config.no_such_group.key=1'], "unknown config key 'no_such_group.key'"),
+    (['--config.train.batch_size=abc'], 'invalid literal for int()'),
+    (['--config={tmp}/missing.py'], 'cannot load the --config file: [Errno 2] No such file'),
+    (['--config={tmp}'], 'cannot load the --config file: [Errno 21] Is a directory'),
+    (['--config={tmp}/missing.py', '--config.train.epochs=2'],
+     'cannot load the --config file: [Errno 2] No such file'),
+    (['--config.train.epochs=2', '--config.x={tmp}/missing.py'],
+     "unknown config key 'x'"),
+    (['--config.train.learning_rate=-1'], 'train.learning_rate must be > 0, got -1.0'),
+    (['--config.train.weight_decay=-0.5'], 'train.weight_decay must be >= 0, got -0.5'),
+    (['--config.train.max_steps_per_epoch=-1'], 'train.max_steps_per_epoch must be >= 0'),
+    (['--config.freeze.lambda_frozen=nan'], 'freeze.lambda_frozen (a frozen layer'),
     (['--config.model.pretrained=/nonexistent/vit'],
      "model.pretrained: cannot load pretrained model from '/nonexistent/vit'"),
     (['--config.model.hidden_size=30'], 'model.hidden_size=30 must be a multiple of '
@@ -179,9 +198,11 @@ def test_bad_input_is_one_line(tmp_path, args, message):
   (tmp_path / 'busy' / 'checkpoints').write_text('not a directory')
   args = [a.format(tmp=tmp_path) for a in args]
   message = message.format(tmp=tmp_path)
+  files = [a for a in args if a.startswith('--config=')]  # a file goes before its overrides
   out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
-                        f'--workdir={tmp_path / "w"}',
-                        f'--config.pipeline.profile_path={tmp_path / "p.json"}', *args],
+                        f'--workdir={tmp_path / "w"}', *files,
+                        f'--config.pipeline.profile_path={tmp_path / "p.json"}',
+                        *[a for a in args if a not in files]],
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 2
   # One line on stderr (progress and log lines go to stdout), naming the problem.
