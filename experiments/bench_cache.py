@@ -51,12 +51,15 @@ def claim_workdir(path: str) -> str | None:
 
 def freezes_nothing(passthrough: list[str]) -> bool:
   """Whether the arguments passed to every run set ``freeze.policy=none``
-  (``--config.freeze.policy=none`` or ``--config.freeze.policy none``)."""
+  (``--config.freeze.policy=none`` or ``--config.freeze.policy none``; the
+  last one given counts, as for the runs)."""
+  policy = None
   for i, arg in enumerate(passthrough):
-    if arg == '--config.freeze.policy=none' or (
-        arg == '--config.freeze.policy' and passthrough[i + 1:i + 2] == ['none']):
-      return True
-  return False
+    if arg.startswith('--config.freeze.policy='):
+      policy = arg.split('=', 1)[1]
+    elif arg == '--config.freeze.policy' and i + 1 < len(passthrough):
+      policy = passthrough[i + 1]
+  return policy == 'none'
 
 
 def run_child(cmd: list[str], capture: bool = True, env: dict | None = None
@@ -64,14 +67,14 @@ def run_child(cmd: list[str], capture: bool = True, env: dict | None = None
   """``subprocess.run`` of one benchmark run that does not outlive this
   process: a stop of the benchmark (Ctrl-C, or SIGTERM, see
   :func:`stop_children_on_sigterm`) kills the run too."""
-  with subprocess.Popen(cmd, text=True, env=env, stdout=subprocess.PIPE if capture else None,
-                        stderr=subprocess.PIPE if capture else None) as proc:
-    try:
-      out, err = proc.communicate()
-    except BaseException:
-      proc.kill()
-      proc.wait()
-      raise
+  proc = subprocess.Popen(cmd, text=True, env=env, stdout=subprocess.PIPE if capture else None,
+                          stderr=subprocess.PIPE if capture else None)
+  try:
+    out, err = proc.communicate()
+  except BaseException:
+    proc.kill()
+    proc.communicate()
+    raise
   return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -63,7 +63,7 @@ def where_time_went(summary: dict, rows: list[dict]) -> dict:
 def forward_only_limit(summary: dict, rows: list[dict]) -> float:
   """The speed-up the freeze schedule allows with frozen blocks costing
   their forward (no cache)."""
-  return flop_limit_speedup(summary, [dict(r, cache=False) for r in rows])
+  return flop_limit_speedup(summary, rows, cache_free=True)
 
 
 def verdict(elastic: dict, baseline: dict, ratio: float) -> list[dict]:

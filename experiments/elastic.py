@@ -185,10 +185,17 @@ def resolve_data(config, task: str = 'vit'):
       raise ConfigError(f'data.data_dir={data_dir} is not a directory (data.name=auto falls '
                         f'back to the digits only where ImageNet is absent)')
     # 'auto' looks for a prepared copy first: without one, TFDS is not even imported.
-    # A copy that looks prepared but cannot be read is an error, never the fallback.
+    # A local copy that looks prepared but cannot be read is an error, never the
+    # fallback; on a remote file system only TFDS can tell absent from broken.
     reason = datasets.imagenet_missing(data_dir) if name == 'auto' else None
     if reason is None:
-      return datasets.imagenet(data_dir, config.data.image_size)
+      try:
+        return datasets.imagenet(data_dir, config.data.image_size)
+      except datasets.DatasetMissing as e:
+        root = data_dir or os.environ.get('TFDS_DATA_DIR', '')
+        if name != 'auto' or '://' not in root:
+          raise
+        reason = str(e).split(';')[0]
     _log(f'ImageNet not found ({reason}); running the embedded default: '
          f'a 12-block ViT on scikit-learn digits with {config.pipeline.devices} devices')
     return datasets.digits(seed=config.seed)
@@ -489,6 +496,7 @@ def run(config, workdir: str | None, task: str,
         _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
              f'train, its outputs are kept (--config.train.epochs=N trains on to epoch N, '
              f'--config.resume=False starts over)')
+        trainer.close()
         with open(done) as f:
           return json.load(f)
     result = trainer.run(config.train.epochs, _progress, save=save,
@@ -654,7 +662,34 @@ def usage(config, config_file: str, require_workdir: bool = False) -> str:
   return '\n'.join(lines)
 
 
-def _command_line_error(error: Exception, argv: list[str]) -> str:
+def _absent_keys(keys: list[str], argv: list[str], config_file: str) -> list[str]:
+  """Those of ``keys`` (dotted) that the configuration does not have: the
+  ``--config`` file's, else ``config_file``'s (empty when it cannot be read)."""
+  import importlib.util  # noqa: PLC0415
+  for i, arg in enumerate(argv[1:], 1):
+    if arg.startswith('--config='):
+      config_file = arg.split('=', 1)[1]
+    elif arg == '--config' and i + 1 < len(argv):
+      config_file = argv[i + 1]
+  try:
+    spec = importlib.util.spec_from_file_location('_pipejax_checked_config', config_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+  except Exception:  # noqa: BLE001 - then no key is named
+    return []
+  absent = []
+  for key in keys:
+    node = config
+    try:
+      for part in key.split('.'):
+        node = node[part]
+    except (KeyError, TypeError, AttributeError):
+      absent.append(key)
+  return absent
+
+
+def _command_line_error(error: Exception, argv: list[str], config_file: str) -> str:
   """One line for a command line that absl or ml_collections refused:
   an unknown config key by its full name (they name only its last part)."""
   lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
@@ -670,7 +705,7 @@ def _command_line_error(error: Exception, argv: list[str]) -> str:
   if isinstance(error, KeyError) or (name.isidentifier() and name != detail):
     keys = [a.split('=', 1)[0][len('--config.'):] for a in argv[1:]
             if a.startswith('--config.')]
-    named = [k for k in keys if k == name or k.endswith('.' + name) or f'.{name}.' in f'.{k}.']
+    named = _absent_keys([k for k in keys if name in k.split('.')], argv, config_file)
     if named:
       return f'unknown config key {named[0]!r} (--help lists the keys)'
   return (f'bad command line: {detail} (a config key that does not exist, or a value of the '
@@ -695,12 +730,12 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
     rest = flags.FLAGS(argv)
   except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
-    print(f'error: {_command_line_error(e, argv)}', file=sys.stderr)
+    print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
   try:
     flags.FLAGS.config.keys  # noqa: B018 - a --config file that failed to load raises here
   except Exception as e:  # noqa: BLE001 - the file: missing, a directory, unreadable
-    print(f'error: {_command_line_error(e, argv)}', file=sys.stderr)
+    print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir), flush=True)

@@ -26,9 +26,9 @@ Every run is a fresh process on the same machine, one after the other, with
 the main job's config (``experiments.vit_imagenet``: the embedded default
 unless ``--config``/overrides say otherwise, passed to every run; an override
 of what a part varies, ``freeze.alpha`` with ``alpha`` or ``seed`` with
-``table1``, is refused; a ``--config`` file's own seed, or an α that repeats
+``table1``, is refused; a ``--config`` file's own seed, or an α that is
 another point of ``alpha``, is never run twice: ``table1`` takes the next
-seeds, ``alpha`` runs 1/3 itself) and
+seeds, the file's run serves its α's point and ``alpha`` runs 1/3 itself) and
 checkpoints off (``plain_dp`` writes none). Runs that parts share (e.g. the
 seed-0 ``full`` run) run once. ``--compile-cache warm`` (default) gives the
 runs a persistent compilation cache, program store and M-profile in DIR, filled by one
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -146,33 +147,36 @@ def samples_trained(summary: dict, rows: list[dict]) -> list[int]:
   return out
 
 
-def flop_limit_speedup(summary: dict, rows: list[dict]) -> float:
-  """Baseline block work / this run's (see the module docstring). An epoch
-  is priced at its row's depth and cache, unless a freeze event fell inside
-  it (``freeze.timestep_steps``): then each stretch of steps at its own depth,
-  from the transitions' steps (a stretch before the first event at the
-  previous row's depth and cache)."""
+def flop_limit_speedup(summary: dict, rows: list[dict], cache_free: bool = False) -> float:
+  """Baseline block work / this run's (see the module docstring). Each
+  stretch of steps is priced at the depth and cache it ran with, from the
+  transitions' steps (a freeze event may end an epoch before its row is
+  written, or fall inside one with ``freeze.timestep_steps``); a summary
+  without transitions prices each epoch at its row's. ``cache_free``: as if
+  no depth were served by the cache (frozen blocks cost their forward)."""
   blocks = summary['num_layers']
   trained = 3 if summary.get('mode') == 'plain_dp' else 4  # plain_dp does not recompute
   samples = samples_trained(summary, rows)
   events = sorted((t['step'], t['frozen_layers'], t.get('cache'))
                   for t in summary.get('transitions', []))
   passes_before = step_before = 0
-  depth_before, cache_before = 0, False
   baseline = work = 0.0
   for row, n in zip(rows, samples, strict=True):
+    row_cache = bool(row.get('cache')) and not cache_free
     steps = row['step'] - step_before
-    inside = [e for e in events if step_before < e[0] < row['step']]
-    # (steps, depth, cached) stretches of this epoch.
-    if inside and steps > 0:
-      stretches, start, depth, cached = [], step_before, depth_before, cache_before
-      for at, new_depth, new_cache in inside:
-        stretches.append((at - start, depth, cached))
-        start, depth = at, new_depth
-        cached = row.get('cache', False) if new_cache is None else new_cache
+    if events:  # (steps, depth, cached) stretches of this epoch, from the events
+      depth, cached, start, stretches = 0, False, step_before, []
+      for at, new_depth, new_cache in events:
+        if at >= row['step']:
+          break  # from the end of this epoch on: the next epoch's
+        if at > step_before:
+          stretches.append((at - start, depth, cached))
+          start = at
+        depth = new_depth
+        cached = not cache_free and (row_cache if new_cache is None else new_cache)
       stretches.append((row['step'] - start, depth, cached))
     else:
-      stretches = [(steps, row['frozen_layers'], bool(row.get('cache')))]
+      stretches = [(steps, row['frozen_layers'], row_cache)]
     passes = row.get('cache_layer_passes', 0)
     per_step = n / steps if steps else 0.0
     for count, depth, cached in stretches:
@@ -183,7 +187,6 @@ def flop_limit_speedup(summary: dict, rows: list[dict]) -> float:
       work += passes - passes_before  # the cache's own layer passes
     baseline += 4 * blocks * n
     passes_before, step_before = passes, row['step']
-    depth_before, cache_before = row['frozen_layers'], bool(row.get('cache'))
   return baseline / work if work else 1.0
 
 
@@ -302,11 +305,12 @@ def breakdown(runner: Runner, workdir: str) -> dict:
 def alpha(runner: Runner, workdir: str) -> dict:
   base = runner.variant('baseline')
   shared = runner.variant('full')  # α = 1/3 unless a --config file sets another
-  if shared['summary']['config']['freeze']['alpha'] in ALPHAS[:2] + ALPHAS[3:]:
-    shared = None  # it repeats another point of the sweep: run α = 1/3 itself
+  taken = shared['summary']['config']['freeze']['alpha']
+  # The shared run serves the point of its own α, else 1/3's (the rows say which ran).
+  serves = next((a for a in ALPHAS if math.isclose(a, taken)), 1 / 3)
   rows = []
   for a in ALPHAS:
-    r = shared if a == 1 / 3 and shared is not None else runner.run(
+    r = shared if a == serves else runner.run(
         f'full-alpha{a:g}', MAIN, BREAKDOWN['full'][1] + [f'--config.freeze.alpha={a}'])
     # The α the run had (a --config file may set another than the label).
     rows.append({'alpha': r['summary']['config']['freeze']['alpha'], **describe_run(r, base)})

@@ -14,6 +14,7 @@ so that machine noise hits all of them; a step's time is the best of
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -77,7 +78,7 @@ def sweep(config, workdir: str) -> dict:
     base = trainer._plan(partition, k)  # noqa: SLF001
     trainer.plan = base
     # The plan's global batch (per_pipeline: it grows with R), as training feeds it.
-    batches = list(trainer._train_loader().epoch(0))[:STEPS]  # noqa: SLF001
+    batches = list(itertools.islice(trainer._train_loader().epoch(0), STEPS))  # noqa: SLF001
     trainer.state = trainer._init_state(created.params, base)  # noqa: SLF001
     per_replica = trainer.batch_size(base) // base.replicas
     candidates = autopipe.micro_batch_candidates(k, per_replica)  # what training profiles

@@ -556,6 +556,14 @@ class Trainer:
     self.log(f'resumed at step {meta["step"]} (epoch {meta["epoch"]}, '
              f'{meta["step_in_epoch"]}/{self.steps_per_epoch} batches): {self.plan.describe()}')
 
+  def close(self) -> None:
+    """Stops the background compiles (a started preparation stops at its
+    next compile) and closes the activation cache; :meth:`run` ends with it."""
+    self._drop_ahead()
+    self._pool.shutdown(wait=False, cancel_futures=True)
+    if self.prefix.cache is not None:
+      self.prefix.cache.close()
+
   @property
   def epochs_done(self) -> int:
     """Whole epochs trained before :meth:`run` (after :meth:`restore`: the
@@ -1081,10 +1089,7 @@ class Trainer:
     finally:
       if own_freeze:
         gc.unfreeze()
-      self._drop_ahead()  # a started preparation stops at its next compile
-      self._pool.shutdown(wait=False, cancel_futures=True)
-      if self.prefix.cache is not None:
-        self.prefix.cache.close()
+      self.close()
     return {'rows': metrics_log.rows, 'seconds': time.perf_counter() - self._run_start}
 
   def _run_epochs(self, epochs, progress_factory, metrics_log, by_steps, sample_batch,

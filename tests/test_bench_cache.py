@@ -63,3 +63,12 @@ def test_a_stopped_benchmark_takes_its_running_run_with_it():
   assert parent.wait(60) == 128 + signal.SIGTERM
   with pytest.raises(ProcessLookupError):
     os.kill(child, 0)  # killed and reaped
+
+
+@pytest.mark.parametrize('passthrough, none', [
+    (['--config.freeze.policy=none'], True), (['--config.freeze.policy', 'none'], True),
+    (['--config.freeze.policy=none', '--config.freeze.policy=schedule'], False),
+    (['--config.freeze.policy=schedule', '--config.freeze.policy', 'none'], True),
+    (['--config.freeze.alpha=0.5'], False)])
+def test_freezes_nothing_reads_the_policy_the_runs_get(passthrough, none):
+  assert bench_cache.freezes_nothing(passthrough) is none

@@ -72,6 +72,16 @@ def test_flop_limit_prices_each_stretch_of_an_epoch_at_its_own_depth():
   # A transition record from before it noted the cache: the epoch's row decides.
   summary['transitions'][1].pop('cache')
   assert reproduce.flop_limit_speedup(summary, rows) == pytest.approx(2 * 16 * 80 / work)
+  # Without the cache's help (bench_elastic's forward-only limit): computed prefixes.
+  work = (16 * 4 + (4 * 2 + 2) * 3 + (4 * 1 + 3) * 3) * 8 + (4 * 1 + 3) * 80
+  assert reproduce.flop_limit_speedup(summary, rows, cache_free=True) == pytest.approx(
+      2 * 16 * 80 / work)
+  # A timestep that ends with the epoch: its freeze event comes before the row is
+  # written, so the row has the new depth; the epoch trained at the old one.
+  summary = _summary(num_layers=12, transitions=[
+      {'step': 10, 'frozen_layers': 6, 'cache': False}])
+  rows = [_row(0, 6, 10), _row(1, 6, 20)]
+  assert reproduce.flop_limit_speedup(summary, rows) == pytest.approx(96 / (48 + 30))
 
 
 def test_describe_run_speedups_and_where_time_went():
@@ -172,6 +182,9 @@ def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
   runner = _FakeRunner(alpha=0.2, seed=1)
   alpha = reproduce.alpha(runner, str(tmp_path))
   assert [r['alpha'] for r in alpha['rows']] == pytest.approx([0.1, 0.2, 1 / 3, 0.5])
+  # The shared run is the 0.2 point; no other run has that α.
+  assert [name for name, *_ in runner.calls] == [
+      'baseline', 'full', 'full-alpha0.1', 'full-alpha0.333333', 'full-alpha0.5']
   table = reproduce.table1(runner, str(tmp_path))
   assert [r['seeds'] for r in table['rows']] == [[1, 2, 3]] * 2
 

@@ -18,7 +18,7 @@ import pytest
 
 from experiments import elastic, vit_imagenet
 from pipejax import checkpoints, reporting, resume
-from pipejax.trainer import TrainingInterrupted
+from pipejax.trainer import Trainer, TrainingInterrupted
 from tests import fixtures
 
 # Two stages keep the compiles short; 4 layers freeze 0 -> 1 -> 2 (α = 1/3).
@@ -310,8 +310,11 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   with open(os.path.join(workdir, 'summary.json')) as f:
     summary = f.read()
   capsys.readouterr()
+  closed, close = [], Trainer.close
+  monkeypatch.setattr(Trainer, 'close', lambda self: closed.append(self) or close(self))
   assert elastic.main(config(), workdir, task='vit') == 0
   assert 'holds a finished run of 2 epochs: nothing to train' in capsys.readouterr().out
+  assert len(closed) == 1  # its background thread and cache closed all the same
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
   with open(os.path.join(workdir, 'summary.json')) as f:
     assert f.read() == summary

@@ -163,6 +163,8 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.data.data_dir={tmp}/nowhere'], 'data.data_dir={tmp}/nowhere is not a directory'),
     (['--config.train.no_such_key=1'], "unknown config key 'train.no_such_key'"),
     (['--config.no_such_group.key=1'], "unknown config key 'no_such_group.key'"),
+    (['--config.cache.enabled=True', '--config.pipeline.enabled=False'],
+     "unknown config key 'pipeline.enabled'"),  # not cache.enabled, which exists
     (['--config.train.batch_size=abc'], 'invalid literal for int()'),
     (['--config={tmp}/missing.py'], 'cannot load the --config file: [Errno 2] No such file'),
     (['--config={tmp}'], 'cannot load the --config file: [Errno 21] Is a directory'),
