@@ -33,7 +33,9 @@ def setup(cpu_devices: int = 8) -> None:
   import jax  # noqa: PLC0415 - must follow the environment set-up above
   cache = os.environ.get('PIPEJAX_COMPILATION_CACHE',
                          os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'jax'))
-  if cache:
+  # A process that configured JAX's cache itself (a test session, a notebook
+  # that imports an entry point) keeps its own settings.
+  if cache and not jax.config.jax_compilation_cache_dir:
     jax.config.update('jax_compilation_cache_dir', cache)
     # Every program, however fast it compiles: an elastic run has a handful
     # per transition (step, move, prefix, advance, portable state) that each

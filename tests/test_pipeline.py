@@ -48,7 +48,9 @@ def _case(kind, k, sizes, frozen=0):
 def _canonical(stage_tree, partition, params):
   """Stage layout → canonical tree, frozen rows taken from ``params``."""
   frozen = part.frozen_prefix(params, partition.num_frozen_layers)
-  return part.from_stage_params(stage_tree, partition, frozen)
+  # On host copies: gathered here, not by eager ops over the sharded arrays.
+  return part.from_stage_params(jax.tree.map(np.asarray, stage_tree), partition,
+                                jax.tree.map(np.asarray, frozen))
 
 
 def _max_err(a, b):

@@ -88,11 +88,12 @@ def test_frozen_parameters_bit_identical_after_adamw_steps():
 
 def _canonical_moments(trainer):
   adam = trainer.state['opt'][0]
-  zeros = jax.tree.map(jnp.zeros_like, trainer.state['frozen'])
+  zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), trainer.state['frozen'])
   partition = trainer.plan.partition
   # Host copies: the transition donates (and so deletes) the device arrays.
-  return (jax.tree.map(np.array, part.from_stage_params(adam.mu, partition, zeros)),
-          jax.tree.map(np.array, part.from_stage_params(adam.nu, partition, zeros)),
+  mu, nu = (jax.tree.map(np.array, m) for m in (adam.mu, adam.nu))
+  return (jax.tree.map(np.array, part.from_stage_params(mu, partition, zeros)),
+          jax.tree.map(np.array, part.from_stage_params(nu, partition, zeros)),
           int(adam.count))
 
 

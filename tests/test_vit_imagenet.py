@@ -398,3 +398,15 @@ def test_summary_plot_draws_each_epochs_plan_over_that_epoch(tmp_path, monkeypat
   assert frozen == ([0.0, 2.0, 3.0, 3.5], [0, 0, 4, 9], 'pre')
   assert k[1:] == ([8, 8, 8, 4], 'pre') and r[1:] == ([1, 1, 1, 2], 'pre')
   assert os.path.getsize(tmp_path / 'summary.png') > 1000
+
+
+def test_importing_an_entry_point_keeps_the_callers_compilation_cache():
+  """The test session set JAX's persistent cache (conftest: its own folder, 0.5 s
+  threshold); importing an entry point (which runs ``runtime.setup``) keeps it."""
+  from pipejax import runtime  # noqa: PLC0415
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  assert before[0].endswith('jax-tests') and before[1] == 0.5
+  runtime.setup(8)
+  assert (jax.config.jax_compilation_cache_dir,
+          jax.config.jax_persistent_cache_min_compile_time_secs) == before
