@@ -62,6 +62,18 @@ def freezes_nothing(passthrough: list[str]) -> bool:
   return policy == 'none'
 
 
+def start_error(workdir: str, repeats: int, passthrough: list[str],
+                without_freezing: str) -> str | None:
+  """A benchmark's argument checks, then :func:`claim_workdir`: the one-line
+  error to print (exit 2), or None with the workdir claimed.
+  ``without_freezing`` says why ``--config.freeze.policy=none`` is refused."""
+  if repeats < 1:
+    return f'error: --repeats must be >= 1, got {repeats}'
+  if freezes_nothing(passthrough):
+    return f'error: --config.freeze.policy=none {without_freezing}; leave it out'
+  return claim_workdir(workdir)
+
+
 def run_child(cmd: list[str], capture: bool = True, env: dict | None = None
               ) -> subprocess.CompletedProcess:
   """``subprocess.run`` of one benchmark run that does not outlive this
@@ -142,14 +154,8 @@ def main(argv=None) -> int:
   parser.add_argument('--repeats', type=int, default=1,
                       help='runs per variant, interleaved; the median total is reported')
   args, passthrough = parser.parse_known_args(argv)
-  if args.repeats < 1:
-    print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
-    return 2
-  if freezes_nothing(passthrough):
-    print('error: --config.freeze.policy=none freezes nothing, so no variant would cache; '
-          'leave it out', file=sys.stderr)
-    return 2
-  error = claim_workdir(args.workdir)
+  error = start_error(args.workdir, args.repeats, passthrough,
+                      'freezes nothing, so no variant would cache')
   if error:
     print(error, file=sys.stderr)
     return 2

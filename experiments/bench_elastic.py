@@ -33,8 +33,7 @@ import os
 import statistics
 import sys
 
-from experiments.bench_cache import (_run, claim_workdir, freezes_nothing,
-                                     stop_children_on_sigterm)
+from experiments.bench_cache import _run, start_error, stop_children_on_sigterm
 from experiments.reproduce import flop_limit_speedup
 
 VARIANTS = {'elastic': [], 'baseline': ['--config.freeze.policy=none']}
@@ -117,14 +116,8 @@ def main(argv=None) -> int:
   parser.add_argument('--strict', action='store_true',
                       help='exit with status 1 when a criterion is not met')
   args, passthrough = parser.parse_known_args(argv)
-  if args.repeats < 1:
-    print(f'error: --repeats must be >= 1, got {args.repeats}', file=sys.stderr)
-    return 2
-  if freezes_nothing(passthrough):
-    print('error: --config.freeze.policy=none would make the elastic run a second baseline; '
-          'leave it out', file=sys.stderr)
-    return 2
-  error = claim_workdir(args.workdir)
+  error = start_error(args.workdir, args.repeats, passthrough,
+                      'would make the elastic run a second baseline')
   if error:
     print(error, file=sys.stderr)
     return 2

@@ -564,6 +564,13 @@ class Trainer:
     if self.prefix.cache is not None:
       self.prefix.cache.close()
 
+  def _timestep_follows(self, step: int) -> bool:
+    """Whether a ``freeze.timestep_steps`` timestep ends after ``step``
+    (the next multiple of it before the last step, as :meth:`train_epoch`
+    decides at them)."""
+    every = self.config.freeze.timestep_steps
+    return (step // every + 1) * every < self.config.train.epochs * self.steps_per_epoch
+
   @property
   def epochs_done(self) -> int:
     """Whole epochs trained before :meth:`run` (after :meth:`restore`: the
@@ -728,7 +735,7 @@ class Trainer:
         if self.plan.partition.num_frozen_layers != depth:
           # The cache stopped reading ahead at the new depth: plan the rest of the epoch.
           self.prefix.prefetch(loader.batch_ids(epoch, steps), self.plan, self.state['frozen'])
-        if step + every < last_step:
+        if self._timestep_follows(step):
           self.prepare_next(batch)
         else:
           self._drop_ahead()  # the last timestep has ended: nothing would use it
@@ -1080,9 +1087,7 @@ class Trainer:
       # First in the background queue: what the first epoch's end (or a save
       # inside it) reads, then the next plan.
       self._compile_eval_ahead()
-      every = self.config.freeze.timestep_steps
-      if by_steps and (int(self.state['step']) // every + 1) * every < (
-          self.config.train.epochs * self.steps_per_epoch):  # a timestep ends ahead
+      if by_steps and self._timestep_follows(int(self.state['step'])):
         self.prepare_next(sample_batch)
       self._run_epochs(epochs, progress_factory, metrics_log, by_steps, sample_batch,
                        save, stop_requested, after_step)
