@@ -148,7 +148,7 @@ def _forward_saved(summary: dict, rows: list[dict]) -> float:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--workdir', required=True, type=os.path.expanduser)
   parser.add_argument('--no-warmup', action='store_true',
                       help='skip the unreported warm-up runs')
   parser.add_argument('--repeats', type=int, default=1,

@@ -419,6 +419,23 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
                                   if dropped else ''))
 
 
+#: Config keys that name a local file or folder: a leading ``~`` in them is the
+#: user's home (the shell does not expand it after ``--config.KEY=``).
+PATH_KEYS = ('data.data_dir', 'model.pretrained', 'cache.directory', 'pipeline.profile_path')
+
+
+def expand_user_paths(config, workdir: str | None) -> str | None:
+  """Expands a leading ``~`` in :data:`PATH_KEYS` (in place) and returns
+  ``workdir`` expanded the same way."""
+  with config.unlocked():
+    for dotted in PATH_KEYS:
+      section, key = dotted.split('.')
+      value = config[section].get(key) if section in config else None
+      if isinstance(value, str) and value.startswith('~'):
+        config[section][key] = os.path.expanduser(value)
+  return os.path.expanduser(workdir) if workdir else workdir
+
+
 def run(config, workdir: str | None, task: str,
         stop_requested: Callable[[], bool] | None = None) -> dict:
   """Runs one elastic (or baseline) training; returns the summary.
@@ -431,6 +448,7 @@ def run(config, workdir: str | None, task: str,
   :class:`pipejax.trainer.TrainingInterrupted`.
   """
   start = time.perf_counter()
+  workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
   devices_available = len(jax.devices())
   check_config(config, devices_available)
@@ -457,8 +475,6 @@ def run(config, workdir: str | None, task: str,
   elif os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '
                       f'it; use --config.resume=False to start over, or another --workdir')
-  with config.unlocked():
-    config.pipeline.profile_path = os.path.expanduser(config.pipeline.profile_path)
   largest = config.train.batch_size * (len(devices) if config.train.batch_mode == 'per_pipeline'
                                        else 1)
   if largest > len(data.train):
@@ -746,7 +762,8 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   if require_workdir and not flags.FLAGS.workdir:
     print('error: --workdir=DIR is required', file=sys.stderr)
     return None
-  return flags.FLAGS.config, flags.FLAGS.workdir
+  workdir = flags.FLAGS.workdir
+  return flags.FLAGS.config, os.path.expanduser(workdir) if workdir else workdir
 
 
 def cli(config_file: str, task: str) -> int:

@@ -452,7 +452,7 @@ def main(argv=None) -> int:
       description=__doc__.split('\n\n')[0],
       epilog='Other arguments (--config FILE or --config=FILE, --config.KEY=VALUE) go to '
              'every run.')
-  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--workdir', required=True, type=os.path.expanduser)
   parser.add_argument('--only', default=','.join(PARTS),
                       help=f'comma-separated parts to run, of {", ".join(PARTS)}')
   parser.add_argument('--compile-cache', choices=('warm', 'shared', 'cold'), default='warm',

@@ -237,19 +237,20 @@ class MicroBatchProfile:
   :func:`profiled_choices`) and older pipejax versions still read it.
 
   Args:
-    path: the JSON file (None keeps it in memory only).
+    path: the JSON file (None keeps it in memory only); ``~`` is the user's
+      home, as in the default ``pipeline.profile_path``.
     key: identity of the configuration (model, batch, devices, …); hashed.
     about: a JSON description of the configuration saved beside the choices
       (by the trainer: :func:`profile_about`).
   """
 
   def __init__(self, path: str | None, key: dict[str, Any], about: dict[str, Any] | None = None):
-    self.path = path
+    self.path = os.path.expanduser(path) if path else None
     self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     self.about = about or {}
     try:
-      with _locked(path):
-        data = _read_keeping(path) if path else {}
+      with _locked(self.path):
+        data = _read_keeping(self.path) if self.path else {}
     except (OSError, ValueError) as e:  # unreadable, or damaged and cannot be moved aside
       warnings.warn(f'{e}; the micro-batch counts are kept for this run only')
       data = {}

@@ -180,6 +180,20 @@ def test_micro_batch_profile_is_remembered_across_runs(tmp_path):
   assert open(path + '.corrupt.2').read() == '[]'
 
 
+def test_a_profile_path_under_home_is_the_users_home_not_a_folder_named_tilde(
+    tmp_path, monkeypatch):
+  # The default pipeline.profile_path starts with '~'; a Trainer built without
+  # the CLI (the benchmarks do) used to create ./~/.cache/pipejax/ in the cwd.
+  home, cwd = tmp_path / 'home', tmp_path / 'cwd'
+  cwd.mkdir()
+  monkeypatch.setenv('HOME', str(home))
+  monkeypatch.chdir(cwd)
+  profile = autopipe.MicroBatchProfile('~/.cache/pipejax/profile.json', {'model': 'x'})
+  profile.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)
+  assert json.load(open(home / '.cache/pipejax/profile.json'))
+  assert list(cwd.iterdir()) == []
+
+
 def test_concurrent_writers_of_one_profile_keep_every_record(tmp_path):
   """Runs of other configurations share the file: no record is lost to a
   concurrent read-merge-write, no temporary file is left."""

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from experiments import bench_cache
+from experiments import bench_cache, bench_elastic
 
 
 def _summary(mode):
@@ -39,6 +39,25 @@ def test_bad_repeats_is_refused_before_any_run_or_directory(tmp_path, capsys, mo
   assert bench_cache.main(['--workdir', str(workdir), '--repeats', '0']) == 2
   assert capsys.readouterr().err.strip() == 'error: --repeats must be >= 1, got 0'
   assert not os.path.exists(workdir)
+
+
+@pytest.mark.parametrize('module', [bench_cache, bench_elastic])
+def test_a_workdir_under_home_is_the_users_home(module, tmp_path, monkeypatch):
+  # The shell leaves `--workdir=~/w` as it is.
+  started = []
+
+  def first_run(workdir, *args):
+    started.append(workdir)
+    raise KeyboardInterrupt  # stop at the first run
+
+  monkeypatch.setattr(module, '_run', first_run)
+  monkeypatch.setenv('HOME', str(tmp_path))
+  (tmp_path / 'cwd').mkdir()
+  monkeypatch.chdir(tmp_path / 'cwd')
+  with pytest.raises(KeyboardInterrupt):
+    module.main(['--workdir=~/w', '--repeats', '1'])
+  assert os.path.dirname(started[0]) == str(tmp_path / 'w')
+  assert os.listdir(tmp_path / 'cwd') == []
 
 
 def test_a_policy_that_freezes_nothing_is_refused(tmp_path, capsys, monkeypatch):

@@ -24,7 +24,7 @@ def _config(tmp_path, **overrides):
   return config
 
 
-def test_default_config_smoke(tmp_path):
+def test_default_config_smoke(tmp_path, monkeypatch):
   workdir = str(tmp_path / 'run')
   summary = elastic.run(_config(tmp_path, **{'data.name': 'digits'}), workdir, task='vit')
   rows, saved = fixtures.check_run_outputs(workdir, 2)
@@ -43,13 +43,20 @@ def test_default_config_smoke(tmp_path):
   assert about['batch'] == 32 and choices == {8: rows[1]['micro_batches']}  # after profiling
 
   # The default config itself (Eq. 1, α = 1/3), a second run with the same
-  # profile: nothing is profiled again, the remembered M is used.
+  # profile: nothing is profiled again, the remembered M is used. Its paths
+  # start with '~' (the shell leaves `--workdir=~/x` as it is): the user's home.
+  monkeypatch.setenv('HOME', str(tmp_path))
+  (tmp_path / 'cwd').mkdir()
+  monkeypatch.chdir(tmp_path / 'cwd')
   config = vit_imagenet.get_config()
   with config.unlocked():
     config.train.epochs, config.train.max_steps_per_epoch = 2, 5
-    config.pipeline.profile_path = str(tmp_path / 'profile.json')
+    config.pipeline.profile_path = '~/profile.json'
+    config.cache.directory = '~/cache-again'
     config.data.name = 'digits'
-  again = elastic.run(config, str(tmp_path / 'again'), task='vit')
+  again = elastic.run(config, '~/again', task='vit')
+  assert os.listdir(tmp_path / 'cwd') == []  # no folder named '~'
+  assert config.cache.directory == str(tmp_path / 'cache-again')  # used with a disk tier
   rows_again, _ = fixtures.check_run_outputs(str(tmp_path / 'again'), 2)
   assert again['micro_batch_timings'] == {}
   assert [r['micro_batches'] for r in rows_again] == [choices[8]] * 2
