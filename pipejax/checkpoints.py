@@ -8,46 +8,78 @@ writes each one into a temporary directory and renames it when complete, so a
 failure while writing (a full disk, a killed process) never touches the
 previous checkpoint. Saves are collective: in a multi-process run every
 process calls :meth:`Checkpoints.save` and :meth:`Checkpoints.restore`.
+
+In a single process the state is written *packed*: its leaves concatenated
+into one flat array per dtype, their order, shapes and offsets in the meta
+(key :data:`PACKED`). Orbax's cost is per array: the default run's portable
+state is 78 small arrays, and writing them one by one took 4x the CPU of one
+flat array (measured: 1.20 against 0.30 s of CPU for 10 saves), CPU that the
+asynchronous writes take from the training steps beside them. Restoring
+checks the layout against the target and unpacks; a checkpoint written
+unpacked (by several processes, or by pipejax before packing) restores as
+before.
 """
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from pipejax import diskcache, runtime
+from pipejax import diskcache
+
+
+#: The meta key of a packed state's layout: ``[[dtype, shape, offset], ...]``
+#: per leaf, in the order of ``jax.tree.leaves``.
+PACKED = 'packed_state'
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint that could not be written or read (one-line message)."""
 
 
-def _single_process_array_writes() -> None:
-  """Saves replicated arrays from one replica when there is one process.
+def pack(state: Any) -> tuple[dict[str, np.ndarray], list]:
+  """``state``'s leaves on the host, concatenated into one flat array per
+  dtype (``{dtype name: array}``), and the layout :func:`unpack` needs."""
+  groups: dict[str, list[np.ndarray]] = {}
+  sizes: dict[str, int] = {}
+  layout = []
+  for leaf in jax.device_get(jax.tree.leaves(state)):
+    leaf = np.asarray(leaf)
+    name = leaf.dtype.name
+    layout.append([name, list(leaf.shape), sizes.get(name, 0)])
+    groups.setdefault(name, []).append(leaf.ravel())
+    sizes[name] = sizes.get(name, 0) + leaf.size
+  return {name: np.concatenate(parts) for name, parts in groups.items()}, layout
 
-  Orbax's default "replica-parallel" saving cuts every replicated array into
-  one slice per replica so that several hosts can write a share each. In a
-  single process there is no one to share with, and on CPU devices the
-  slicing is an eager op per slice: for the default run's portable state
-  (78 arrays over 8 devices) 552 slices, 0.2-0.3 s of every save, and 1.2 s
-  more in the first one, which compiles each slice's shape. Multi-process runs
-  keep the default.
+
+def unpack(packed: dict[str, np.ndarray], layout: list, target: Any) -> Any:
+  """The tree of ``target`` (``ShapeDtypeStruct`` leaves, with or without
+  shardings) filled from :func:`pack`'s output; leaves with a sharding are
+  put on its devices.
+
+  Raises:
+    ValueError: the layout does not fit ``target`` or the arrays.
   """
-  if jax.process_count() > 1:
-    return
-  current = ocp.type_handlers.get_type_handler(jax.Array)
-  if type(current) is not ocp.type_handlers.ArrayHandler:
-    return  # the user's own handler: theirs to configure
-  if getattr(current, '_use_replica_parallel', False) is False:
-    return  # already off (set by us, or by the user's own registration)
-  handler = copy.copy(current)  # keeps every other option of the registered one
-  handler._use_replica_parallel = False  # noqa: SLF001 - read at each save
-  with runtime.absl_errors_only():  # orbax warns at every override
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+  leaves, treedef = jax.tree.flatten(target)
+  if len(layout) != len(leaves):
+    raise ValueError(f'the checkpoint holds {len(layout)} arrays, the state has {len(leaves)}')
+  out = []
+  for (name, shape, offset), want in zip(layout, leaves):
+    if name != np.dtype(want.dtype).name or tuple(shape) != tuple(want.shape):
+      raise ValueError(f'the checkpoint holds a {name}{list(shape)} array where the state has '
+                       f'{np.dtype(want.dtype).name}{list(want.shape)}')
+    flat = packed.get(name)
+    size = int(np.prod(shape, dtype=np.int64))
+    if flat is None or offset < 0 or offset + size > flat.size:
+      raise ValueError(f'the checkpoint\'s {name} arrays end before the state\'s do')
+    value = flat[offset:offset + size].reshape(shape)
+    sharding = getattr(want, 'sharding', None)
+    out.append(jax.device_put(value, sharding) if sharding is not None else value)
+  return treedef.unflatten(out)
 
 
 class Checkpoints:
@@ -59,12 +91,13 @@ class Checkpoints:
   """
 
   def __init__(self, workdir: str, keep: int = 2):
-    _single_process_array_writes()
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            cleanup_tmp_directories=True,
                                            enable_async_checkpointing=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    # Several processes each hold only their shards: orbax writes the tree.
+    self.packed = jax.process_count() == 1
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -80,6 +113,9 @@ class Checkpoints:
     """
     if step in self.manager.all_steps():
       return  # already saved (an epoch end right after a step-count save)
+    if self.packed:
+      state, layout = pack(state)
+      meta = {**meta, PACKED: layout}
     try:
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
@@ -104,8 +140,25 @@ class Checkpoints:
     return None if step is None else self.path(step)
 
   def _meta(self, step: int) -> dict:
-    return dict(self.manager.restore(
+    """The meta saved with ``step``, without the packed state's layout."""
+    meta = dict(self.manager.restore(
         step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
+    meta.pop(PACKED, None)
+    return meta
+
+  def _restore_state(self, step: int, target: Any) -> Any:
+    layout = self.manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'].get(PACKED)
+    if layout is None:  # written unpacked
+      return self.manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
+    sizes: dict[str, int] = {}
+    for name, shape, offset in layout:
+      sizes[name] = max(sizes.get(name, 0), offset + int(np.prod(shape, dtype=np.int64)))
+    flat = {name: np.zeros((size,), np.dtype(name)) for name, size in sizes.items()}
+    packed = self.manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(flat)))['state']
+    return unpack({k: np.asarray(v) for k, v in packed.items()}, layout, target)
 
   def latest_meta(self) -> tuple[dict, str] | None:
     """``(meta, directory)`` of the newest checkpoint whose meta reads, or None."""
@@ -140,8 +193,7 @@ class Checkpoints:
         continue
       target = abstract_state(meta)  # may raise a ConfigError-like refusal: not corrupt
       try:
-        state = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
+        state = self._restore_state(step, target)
       except Exception as e:  # noqa: BLE001
         self._set_aside(step, e, log)
         continue
