@@ -421,7 +421,8 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
 
 #: Config keys that name a local file or folder: a leading ``~`` in them is the
 #: user's home (the shell does not expand it after ``--config.KEY=``).
-PATH_KEYS = ('data.data_dir', 'model.pretrained', 'cache.directory', 'pipeline.profile_path')
+PATH_KEYS = ('data.data_dir', 'model.pretrained', 'model.tokenizer', 'cache.directory',
+             'pipeline.profile_path')
 
 
 def expand_user_paths(config, workdir: str | None) -> str | None:
@@ -762,8 +763,8 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   if require_workdir and not flags.FLAGS.workdir:
     print('error: --workdir=DIR is required', file=sys.stderr)
     return None
-  workdir = flags.FLAGS.workdir
-  return flags.FLAGS.config, os.path.expanduser(workdir) if workdir else workdir
+  config = flags.FLAGS.config
+  return config, expand_user_paths(config, flags.FLAGS.workdir)
 
 
 def cli(config_file: str, task: str) -> int:

@@ -43,42 +43,55 @@ class CheckpointError(RuntimeError):
 
 def pack(state: Any) -> tuple[dict[str, np.ndarray], list]:
   """``state``'s leaves on the host, concatenated into one flat array per
-  dtype (``{dtype name: array}``), and the layout :func:`unpack` needs."""
+  dtype (``{dtype name: array}``), and the layout :func:`unpack` needs:
+  ``[dtype name, shape, offset, key path]`` per leaf, in tree order."""
   groups: dict[str, list[np.ndarray]] = {}
   sizes: dict[str, int] = {}
   layout = []
-  for leaf in jax.device_get(jax.tree.leaves(state)):
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(state)
+  values = jax.device_get([leaf for _, leaf in with_paths])
+  for (path, _), leaf in zip(with_paths, values):
     leaf = np.asarray(leaf)
     name = leaf.dtype.name
-    layout.append([name, list(leaf.shape), sizes.get(name, 0)])
+    layout.append([name, list(leaf.shape), sizes.get(name, 0), jax.tree_util.keystr(path)])
     groups.setdefault(name, []).append(leaf.ravel())
     sizes[name] = sizes.get(name, 0) + leaf.size
   return {name: np.concatenate(parts) for name, parts in groups.items()}, layout
 
 
+def layout_problem(layout: list, target: Any) -> str | None:
+  """How a packed state's ``layout`` differs from ``target``'s tree, or None."""
+  with_paths, _ = jax.tree_util.tree_flatten_with_path(target)
+  if len(layout) != len(with_paths):
+    return f'{len(layout)} arrays where the state has {len(with_paths)}'
+  for (name, shape, _, saved_path), (path, want) in zip(layout, with_paths):
+    here = jax.tree_util.keystr(path)
+    wanted = f'{np.dtype(want.dtype).name}{list(want.shape)}'
+    if saved_path != here or f'{name}{list(shape)}' != wanted:
+      return f'{saved_path} {name}{list(shape)} where the state has {here} {wanted}'
+  return None
+
+
 def unpack(packed: dict[str, np.ndarray], layout: list, target: Any) -> Any:
   """The tree of ``target`` (``ShapeDtypeStruct`` leaves, with or without
-  shardings) filled from :func:`pack`'s output; leaves with a sharding are
-  put on its devices.
+  shardings) filled from :func:`pack`'s output, each leaf put on its
+  sharding's devices (the default device without one).
 
   Raises:
     ValueError: the layout does not fit ``target`` or the arrays.
   """
+  problem = layout_problem(layout, target)
+  if problem:
+    raise ValueError(f'the checkpoint holds {problem}')
   leaves, treedef = jax.tree.flatten(target)
-  if len(layout) != len(leaves):
-    raise ValueError(f'the checkpoint holds {len(layout)} arrays, the state has {len(leaves)}')
   out = []
-  for (name, shape, offset), want in zip(layout, leaves):
-    if name != np.dtype(want.dtype).name or tuple(shape) != tuple(want.shape):
-      raise ValueError(f'the checkpoint holds a {name}{list(shape)} array where the state has '
-                       f'{np.dtype(want.dtype).name}{list(want.shape)}')
+  for (name, shape, offset, _), want in zip(layout, leaves):
     flat = packed.get(name)
     size = int(np.prod(shape, dtype=np.int64))
     if flat is None or offset < 0 or offset + size > flat.size:
       raise ValueError(f'the checkpoint\'s {name} arrays end before the state\'s do')
     value = flat[offset:offset + size].reshape(shape)
-    sharding = getattr(want, 'sharding', None)
-    out.append(jax.device_put(value, sharding) if sharding is not None else value)
+    out.append(jax.device_put(value, getattr(want, 'sharding', None)))
   return treedef.unflatten(out)
 
 
@@ -92,9 +105,13 @@ class Checkpoints:
 
   def __init__(self, workdir: str, keep: int = 2):
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           cleanup_tmp_directories=True,
-                                           enable_async_checkpointing=True)
+    # Directories are created before save() returns: created asynchronously,
+    # a save that failed (a full disk) left its writer threads waiting 300 s
+    # for a signal that never came, holding up the process's exit.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+        enable_async_checkpointing=True,
+        async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
     self.manager = ocp.CheckpointManager(self.directory, options=options)
     # Several processes each hold only their shards: orbax writes the tree.
     self.packed = jax.process_count() == 1
@@ -139,21 +156,23 @@ class Checkpoints:
     step = self.manager.latest_step()
     return None if step is None else self.path(step)
 
+  def _saved_meta(self, step: int) -> dict:
+    """The meta saved with ``step``, the packed state's layout included."""
+    return dict(self.manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
+
   def _meta(self, step: int) -> dict:
     """The meta saved with ``step``, without the packed state's layout."""
-    meta = dict(self.manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
+    meta = self._saved_meta(step)
     meta.pop(PACKED, None)
     return meta
 
-  def _restore_state(self, step: int, target: Any) -> Any:
-    layout = self.manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'].get(PACKED)
+  def _restore_state(self, step: int, target: Any, layout: list | None) -> Any:
     if layout is None:  # written unpacked
       return self.manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
     sizes: dict[str, int] = {}
-    for name, shape, offset in layout:
+    for name, shape, offset, _ in layout:
       sizes[name] = max(sizes.get(name, 0), offset + int(np.prod(shape, dtype=np.int64)))
     flat = {name: np.zeros((size,), np.dtype(name)) for name, size in sizes.items()}
     packed = self.manager.restore(
@@ -187,13 +206,19 @@ class Checkpoints:
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
       try:
-        meta = self._meta(step)
+        meta = self._saved_meta(step)
       except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
         self._set_aside(step, e, log)
         continue
+      layout = meta.pop(PACKED, None)
       target = abstract_state(meta)  # may raise a ConfigError-like refusal: not corrupt
+      problem = None if layout is None else layout_problem(layout, target)
+      if problem:  # readable, but of another state: not set aside
+        raise CheckpointError(f'checkpoint {self.path(step)} holds another state than this run '
+                              f'has ({problem}); use the pipejax that wrote it, or start over '
+                              f'with --config.resume=False')
       try:
-        state = self._restore_state(step, target)
+        state = self._restore_state(step, target, layout)
       except Exception as e:  # noqa: BLE001
         self._set_aside(step, e, log)
         continue

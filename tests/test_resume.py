@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -114,7 +115,10 @@ def _abstract(_meta):
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
   """A full disk while writing checkpoint 2: one line naming the intact
-  checkpoint 1, which still restores."""
+  checkpoint 1, which still restores. No writer thread is left behind: with
+  orbax's asynchronous directory creation, the failed save's threads waited
+  300 s for a signal that never came, and held up the process's exit."""
+  before = set(threading.enumerate())
   ckpt = checkpoints.Checkpoints(str(tmp_path))
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
 
@@ -129,6 +133,14 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
   assert str(e.value).endswith(f'the previous checkpoint is intact: {ckpt.path(1)}')
   monkeypatch.undo()
   ckpt.close()
+
+  def left():
+    return [t.name for t in set(threading.enumerate()) - before if t.is_alive() and not t.daemon]
+
+  deadline = time.monotonic() + 10  # the failed save's threads, given their chance to end
+  while left() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert left() == []
   state, meta, path = checkpoints.Checkpoints(str(tmp_path)).restore(_abstract)
   assert path == ckpt.path(1) and meta == {'n': 1}
   np.testing.assert_array_equal(state['params']['w'], np.full((4, 3), 1.0))
@@ -159,8 +171,12 @@ def test_a_state_is_written_packed_and_restores_exactly(tmp_path):
   # One array per dtype on disk, the layout in the meta (and not handed back).
   written = ocp.CheckpointManager(str(tmp_path / 'packed' / 'checkpoints')).restore(
       3, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
-  assert [name for name, _, _ in written[checkpoints.PACKED]] == [
-      'bfloat16', 'float32', 'float32', 'uint32', 'int32']  # leaves in tree order
+  assert [(name, path) for name, _, _, path in written[checkpoints.PACKED]] == [
+      ('bfloat16', "['params']['half']"), ('float32', "['params']['rows']"),
+      ('float32', "['params']['w']"), ('uint32', "['rng']"), ('int32', "['step']")]
+  on_disk = ocp.CheckpointManager(str(tmp_path / 'packed' / 'checkpoints')).restore(
+      3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))['state']
+  assert sorted(on_disk) == ['bfloat16', 'float32', 'int32', 'uint32']  # one array each
   unpacked = checkpoints.Checkpoints(str(tmp_path / 'unpacked'))
   unpacked.packed = False  # as several processes write it
   unpacked.save(3, state, {'n': 3}, wait=True)
@@ -177,10 +193,20 @@ def test_a_state_is_written_packed_and_restores_exactly(tmp_path):
   assert sorted(packed) == ['bfloat16', 'float32', 'int32', 'uint32']
   assert packed['float32'].shape == (16 * 24 + 8 * 5,)
   wrong = dict(abstract, step=jax.ShapeDtypeStruct((2,), np.int32))
-  with pytest.raises(ValueError, match=r'a int32\[\] array where the state has int32\[2\]'):
+  with pytest.raises(ValueError, match=r"\['step'\] int32\[\] where the state has \['step'\] "
+                                       r"int32\[2\]"):
     checkpoints.unpack(packed, layout, wrong)
+  # The same dtypes and shapes in another tree: refused by the key paths.
+  renamed = {'params': dict(abstract['params']), 'rng': abstract['rng'], 'steps': abstract['step']}
+  assert "['step'] int32[] where the state has ['steps'] int32[]" in (
+      checkpoints.layout_problem(layout, renamed))
   with pytest.raises(ValueError, match='end before'):
     checkpoints.unpack(dict(packed, float32=packed['float32'][:10]), layout, abstract)
+  # A readable checkpoint of another state is refused, not set aside as corrupt.
+  with pytest.raises(checkpoints.CheckpointError, match=r"holds another state than this run has "
+                                                        r"\(\['step'\] int32\[\] where"):
+    checkpoints.Checkpoints(str(tmp_path / 'packed')).restore(lambda _: wrong)
+  assert sorted(os.listdir(tmp_path / 'packed' / 'checkpoints')) == ['3']
 
 
 def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
