@@ -27,7 +27,8 @@ from pipejax.autocache import ActivationCache
 
 def _parse(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--workdir', required=True, type=os.path.expanduser, help='where bench_autocache.json goes')
+  p.add_argument('--workdir', required=True, type=os.path.expanduser,
+                 help='where bench_autocache.json goes')
   p.add_argument('--batch', type=int, default=64)
   p.add_argument('--seq', type=int, default=65)
   p.add_argument('--hidden', type=int, default=64)

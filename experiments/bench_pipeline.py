@@ -23,7 +23,8 @@ from pipejax import runtime
 
 def _parse(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--workdir', required=True, type=os.path.expanduser, help='where bench_pipeline.json goes')
+  p.add_argument('--workdir', required=True, type=os.path.expanduser,
+                 help='where bench_pipeline.json goes')
   p.add_argument('--layers', type=int, default=8, help='ViT blocks')
   p.add_argument('--hidden', type=int, default=64, help='ViT hidden size')
   p.add_argument('--image-size', type=int, default=32)

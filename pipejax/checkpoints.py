@@ -32,8 +32,8 @@ import orbax.checkpoint as ocp
 from pipejax import diskcache
 
 
-#: The meta key of a packed state's layout: ``[[dtype, shape, offset], ...]``
-#: per leaf, in the order of ``jax.tree.leaves``.
+#: The meta key of a packed state's layout: ``[dtype name, shape, offset, key
+#: path]`` per leaf, in the order of ``jax.tree.leaves`` (see :func:`pack`).
 PACKED = 'packed_state'
 
 
