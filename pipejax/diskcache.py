@@ -48,7 +48,7 @@ def remove(path: str) -> None:
     pass
 
 
-def trim(directory: str, suffix: str, max_bytes: int) -> None:
+def trim(directory: str, suffix: str | tuple[str, ...], max_bytes: int) -> None:
   """Removes the least recently used ``*suffix`` entries of ``directory``
   beyond ``max_bytes``, and ``*.tmp`` files left by killed writers."""
   entries = []

@@ -1,9 +1,14 @@
 """The program store: a stored program is compiled without tracing, gives the
-same bits as the traced one, keeps donation and shardings; unusable entries
-are reported and traced afresh; the key follows what the trace depends on;
-an elastic run that loads every transition program trains bit for bit like
-one that traces them."""
+same bits as the traced one, keeps donation and shardings, from its
+executable or its program, in this process or another; only an executable
+this process compiled is kept; unusable entries are reported and traced
+afresh; the key follows what the trace depends on; an elastic run that loads
+every transition program trains bit for bit like one that traces them."""
+import contextlib
 import os
+import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipejax.programs import ProgramStore
+from pipejax.programs import EXECUTABLE_SUFFIX, PROGRAM_SUFFIX, ProgramStore
 from tests.test_trainer import _Bar, _config, _trainer
 
 
@@ -33,14 +38,20 @@ def _args():
   return state, batch
 
 
-def _build(calls):
+def _salt() -> float:
+  """A constant no earlier compile had: a program built with it is compiled
+  by XLA, not read from JAX's persistent cache (kept across test sessions)."""
+  return float(np.random.default_rng().integers(1, 1 << 20))
+
+
+def _build(calls, salt: float = 0.0):
   mesh = _mesh()
   tx = optax.adamw(0.1)
 
   def step(state, batch):
     calls.append(1)
     loss, grads = jax.value_and_grad(
-        lambda p: jnp.sum((batch @ p['w'].T) ** 2) + jnp.sum(p['b']))(state['params'])
+        lambda p: jnp.sum((batch @ p['w'].T) ** 2) + jnp.sum(p['b']) + salt)(state['params'])
     updates, opt = tx.update(grads, state['opt'], state['params'])
     return {'params': optax.apply_updates(state['params'], updates), 'opt': opt,
             'step': state['step'] + 1}, loss
@@ -61,14 +72,39 @@ def _bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
-def test_a_stored_program_is_compiled_without_tracing_and_gives_the_same_bits(tmp_path):
+def _files(directory, suffix):
+  return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(suffix))
+
+
+@contextlib.contextmanager
+def _jax_cache(min_seconds: float):
+  """JAX's persistent cache keeps programs that compiled in ``min_seconds``
+  or more inside the block (the test session's cache)."""
+  before = (jax.config.jax_persistent_cache_min_compile_time_secs,
+            jax.config.jax_persistent_cache_min_entry_size_bytes)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', min_seconds)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', before[0])
+    jax.config.update('jax_persistent_cache_min_entry_size_bytes', before[1])
+
+
+@pytest.mark.parametrize('kept', ['executable', 'program'])
+def test_a_stored_program_is_compiled_without_tracing_and_gives_the_same_bits(tmp_path, kept):
+  """From its executable, or (the executable gone) from its program."""
   traced = []
   first = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
   state, batch = _args()
-  compiled = first.compile('step', ('k',), _spec((state, batch)), _build(traced),
+  # A new program, compiled here (not read from JAX's cache): its executable is kept.
+  compiled = first.compile('step', ('k',), _spec((state, batch)), _build(traced, _salt()),
                            donate_argnums=(0,))
   want = compiled(state, batch)
   assert first.stats()['programs_traced'] == 1 and traced
+  assert len(_files(tmp_path, PROGRAM_SUFFIX)) == len(_files(tmp_path, EXECUTABLE_SUFFIX)) == 1
+  if kept == 'program':
+    os.remove(_files(tmp_path, EXECUTABLE_SUFFIX)[0])
 
   def poisoned():
     raise AssertionError('a stored program must not be traced again')
@@ -78,6 +114,7 @@ def test_a_stored_program_is_compiled_without_tracing_and_gives_the_same_bits(tm
   loaded = second.compile('step', ('k',), _spec((state, batch)), poisoned, donate_argnums=(0,))
   got = loaded(state, batch)
   assert second.stats()['programs_loaded'] == 1 and second.stats()['programs_traced'] == 0
+  assert second.stats()['executables_loaded'] == (kept == 'executable')
   assert _bits(got) == _bits(want)
   assert jax.tree.structure(got) == jax.tree.structure(want)  # the optax tree comes back
   assert state['params']['w'].is_deleted()  # still donated
@@ -87,13 +124,97 @@ def test_a_stored_program_is_compiled_without_tracing_and_gives_the_same_bits(tm
   assert int(again[0]['step']) == 2
 
 
+_CHILD = """
+import os, sys, pickle
+import jax  # the test's XLA_FLAGS (part of the store's key) come with its environment
+jax.config.update('jax_compilation_cache_dir', sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+import pytest
+from pipejax.programs import ProgramStore
+from tests.test_programs import _args, _bits, _spec
+store = ProgramStore(sys.argv[1], {'run': 1}, log=pytest.fail)
+state, batch = _args()
+loaded = store.compile('step', ('k',), _spec((state, batch)), pytest.fail, donate_argnums=(0,))
+out = loaded(state, batch)
+out = loaded(out[0], batch)
+sys.stdout.buffer.write(pickle.dumps((store.stats(), _bits(out))))
+"""
+
+
+def test_another_process_runs_the_stored_executable(tmp_path):
+  """XLA:CPU's executables are loaded by a fresh process (where a re-serialised
+  cache entry would miss its kernels) and give the traced program's bits."""
+  store = ProgramStore(str(tmp_path / 'store'), {'run': 1}, log=pytest.fail)
+  state, batch = _args()
+  compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
+                           donate_argnums=(0,))
+  first = compiled(state, batch)
+  want = _bits(compiled(first[0], batch))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  child = subprocess.run([sys.executable, '-c', _CHILD, str(tmp_path / 'store'),
+                          str(tmp_path / 'jax'), root], capture_output=True, check=False,
+                         timeout=300)
+  assert child.returncode == 0, child.stderr.decode()[-2000:]
+  stats, got = pickle.loads(child.stdout)
+  assert stats['executables_loaded'] == 1 and stats['programs_traced'] == 0
+  assert got == want
+
+
+def test_an_executable_read_from_jax_cache_is_not_kept(tmp_path):
+  """A compile that JAX's persistent cache answered keeps only the program:
+  serialised again, such an executable would miss its kernels."""
+  state, batch = _args()
+  salt = _salt()
+  with _jax_cache(0.0):
+    first = ProgramStore(str(tmp_path / 'a'), {'run': 1}, log=pytest.fail)
+    first.compile('step', ('k',), _spec((state, batch)), _build([], salt), donate_argnums=(0,))
+    # The same program traced again for another store: JAX's cache has it now.
+    second = ProgramStore(str(tmp_path / 'b'), {'run': 1}, log=pytest.fail)
+    compiled = second.compile('step', ('k',), _spec((state, batch)), _build([], salt),
+                              donate_argnums=(0,))
+  assert len(_files(tmp_path / 'a', EXECUTABLE_SUFFIX)) == 1
+  assert len(_files(tmp_path / 'b', PROGRAM_SUFFIX)) == 1
+  assert _files(tmp_path / 'b', EXECUTABLE_SUFFIX) == []
+  state, batch = _args()
+  assert int(compiled(state, batch)[0]['step']) == 1
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage'])
+def test_an_unusable_executable_is_reported_and_compiled_from_its_program(tmp_path, damage):
+  state, batch = _args()
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  # JAX's cache does not keep it: compiled from its program again, it is kept again.
+  with _jax_cache(1e9):
+    want = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
+                         donate_argnums=(0,))(state, batch)
+    (path,) = _files(tmp_path, EXECUTABLE_SUFFIX)
+    data = open(path, 'rb').read()
+    with open(path, 'wb') as f:
+      f.write(data[:len(data) // 2] if damage == 'truncate' else b'\x00not a program' * 50)
+    messages = []
+    store = ProgramStore(str(tmp_path), {'run': 1}, log=messages.append)
+    state, batch = _args()
+    got = store.compile('step', ('k',), _spec((state, batch)), pytest.fail,
+                        donate_argnums=(0,))(state, batch)
+  assert _bits(got) == _bits(want)
+  assert store.stats()['executables_unusable'] == 1 and store.stats()['programs_loaded'] == 1
+  assert len(messages) == 1 and 'unusable' in messages[0] and 'from its program' in messages[0]
+  # Compiled here from the program, the executable was written again; it loads.
+  assert open(path, 'rb').read() not in (data[:len(data) // 2], b'\x00not a program' * 50)
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  store.compile('step', ('k',), _spec(_args()), pytest.fail, donate_argnums=(0,))
+  assert store.stats()['executables_loaded'] == 1
+
+
 @pytest.mark.parametrize('damage', ['truncate', 'garbage'])
 def test_an_unusable_entry_is_reported_removed_and_traced_afresh(tmp_path, damage):
   state, batch = _args()
   store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
   want = store.compile('step', ('k',), _spec((state, batch)), _build([]),
                        donate_argnums=(0,))(state, batch)
-  (path,) = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path)]
+  for executable in _files(tmp_path, EXECUTABLE_SUFFIX):  # the program is what is read
+    os.remove(executable)
+  (path,) = _files(tmp_path, PROGRAM_SUFFIX)
   data = open(path, 'rb').read()
   with open(path, 'wb') as f:
     f.write(data[:len(data) // 2] if damage == 'truncate' else b'\x00not a program' * 50)
@@ -194,6 +315,8 @@ def test_an_elastic_run_from_stored_programs_trains_bit_for_bit(tmp_path):
   assert traced[3]['programs_traced'] > 0 and traced[3]['programs_loaded'] == 0
   assert loaded[3]['programs_loaded'] == traced[3]['programs_traced']
   assert loaded[3]['programs_traced'] == 0
+  # Those compiled here (not read from JAX's cache) came back as executables.
+  assert 0 < loaded[3]['executables_loaded'] <= loaded[3]['programs_loaded']
   kinds = {n.split('-')[0] for n in os.listdir(tmp_path)}
   assert kinds == {'step', 'move', 'prefix', 'advance', 'portable'}, kinds
   assert 'K=4' in want[1][0] and 'K=4' not in want[1][-1], want[1]  # compressed
