@@ -28,17 +28,24 @@ build) is reported in one line, removed and traced afresh, never used.
 With several processes the store is off.
 
 Beside a program the store keeps its compiled XLA executable
-(``jax.experimental.serialize_executable``), keyed also by the backend's
-version and the host's CPU: a later run loads that directly, skipping the
-lowering and the cache lookup (what is left is XLA's deserialisation). Only
-an executable that this process compiled itself is kept: on the CPU, one
-that was read from JAX's cache loses its kernels when serialised again
-("Function ... not found" at its first call), so a compile that JAX's cache
-answered (seen through ``jax.monitoring``'s cache-hit event in the compiling
-thread) keeps only the program. Each entry's module is named after the
-entry, so that JAX's cache, whose key begins with that name, does not
-answer a new entry's first compile. An executable that cannot be loaded is
-reported, removed, and the program is compiled from its stored form instead.
+(``jax.experimental.serialize_executable``): an ``exec-*.xla`` file named by
+what XLA compiled (the lowered module without locations, the options, the
+arguments' device ids, the backend's version and the host's CPU), and a
+``*.ref`` file per entry and machine that names it. A later run loads the
+executable directly, skipping the lowering and the cache lookup (what is
+left is XLA's deserialisation). Only an executable that this process
+compiled itself is kept: on the CPU, one that was read from JAX's cache
+loses its kernels when serialised again ("Function ... not found" at its
+first call). A compile that JAX's cache answered (seen through
+``jax.monitoring``'s cache events in the compiling thread) points to the
+executable another entry kept for the same lowered program (a changed
+configuration whose programs did not change); when there is none (it was
+trimmed or lost), the program is compiled once more under a module name used
+once (JAX's cache key begins with it), so that XLA compiles it. Where JAX's
+events are not as expected only the program is kept (counted as
+``executables_not_kept``). An executable that cannot be
+loaded (damaged: it carries a checksum) is reported, removed, and the
+program is compiled from its stored form instead.
 
 On the CPU, XLA hands dots and elementwise chains to the YNNPACK library
 ("library fusions"), and each such fusion sets itself up at the first
@@ -63,6 +70,7 @@ import platform
 import threading
 import time
 import uuid
+import zlib
 from typing import Any, Callable
 
 import jax
@@ -78,7 +86,11 @@ DEFAULT_MAX_BYTES = 1 << 30
 WITHOUT_LIBRARY_FUSIONS = {'xla_cpu_experimental_ynn_fusion_type': ''}
 _LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax', 'transformers', 'numpy')
 PROGRAM_SUFFIX = '.jaxexport'
-EXECUTABLE_SUFFIX = '.xla'
+EXECUTABLE_SUFFIX = '.xla'  # an executable, named by what XLA compiled
+POINTER_SUFFIX = '.ref'  # an entry's executable on this machine: its name
+# JAX's events around a compile that may read its persistent cache: a request
+# to it, and a hit (both recorded in the compiling thread).
+_CACHE_REQUEST_EVENT = '/jax/compilation_cache/compile_requests_use_cache'
 _CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'
 
 
@@ -134,7 +146,7 @@ class ProgramStore:
     self.load_seconds = self.compile_seconds = 0.0
     self._lock = threading.Lock()  # the counters: the main and the compile-ahead thread
     backend = jax.devices()[0]
-    self.executables_loaded = self.executables_unusable = 0
+    self.executables_loaded = self.executables_unusable = self.executables_not_kept = 0
     self._identity = hashlib.sha256(json.dumps(
         {'code': code_fingerprint(), 'versions': diskcache.versions(_LIBRARIES),
          'xla_flags': os.environ.get('XLA_FLAGS', ''), 'platform': backend.platform,
@@ -153,16 +165,23 @@ class ProgramStore:
   def enabled(self) -> bool:
     return self.directory is not None
 
-  def path(self, name: str, key: Any, args: tuple, options: dict | None = None) -> str:
+  def path(self, name: str, key: Any, args: tuple, options: dict | None = None,
+           donate_argnums: tuple[int, ...] = ()) -> str:
     digest = hashlib.sha256('\0'.join(
         (self._identity, name, repr(key), arguments_signature(args),
-         json.dumps(options or {}, sort_keys=True))).encode()).hexdigest()
+         json.dumps(options or {}, sort_keys=True),
+         repr(tuple(donate_argnums)))).encode()).hexdigest()
     return os.path.join(self.directory, f'{name}-{digest[:40]}{PROGRAM_SUFFIX}')
 
-  def executable_path(self, path: str) -> str:
-    """Where the compiled executable of the program at ``path`` goes (the
+  def pointer_path(self, path: str) -> str:
+    """Where the name of the executable of the program at ``path`` goes (the
     same key, and this backend's version and host CPU)."""
-    return f'{path[:-len(PROGRAM_SUFFIX)]}.{self._machine}{EXECUTABLE_SUFFIX}'
+    return f'{path[:-len(PROGRAM_SUFFIX)]}.{self._machine}{POINTER_SUFFIX}'
+
+  def executable_path(self, content: str) -> str:
+    """Where the executable of the lowered program ``content`` (see
+    :meth:`_from_entry`) goes."""
+    return os.path.join(self.directory, f'exec-{content[:40]}{EXECUTABLE_SUFFIX}')
 
   def compile(self, name: str, key: Any, args: tuple, build: Callable[[], Any],
               donate_argnums: tuple[int, ...] = (), library_fusions: bool = True):
@@ -173,13 +192,13 @@ class ProgramStore:
     compiled without XLA:CPU's library fusions (see the module's doc; no
     effect on other platforms)."""
     options = compiler_options(library_fusions)
-    path = self.path(name, key, args, options) if self.enabled else None
+    path = self.path(name, key, args, options, donate_argnums) if self.enabled else None
     if path is not None and os.path.exists(path):
       t0 = time.perf_counter()
       compiled = self._load_executable(path)
       if compiled is None:
         try:
-          compiled, fresh = self._load(path, args, donate_argnums, options)
+          compiled, fresh, content = self._load(path, args, donate_argnums, options)
         except Exception as e:  # noqa: BLE001 - any unusable entry is traced afresh
           self._count('corrupt')
           self.log(f'program store: {os.path.basename(path)} is unusable '
@@ -187,8 +206,7 @@ class ProgramStore:
           diskcache.remove(path)
           compiled = None
         else:
-          if fresh:
-            self._write_executable(path, compiled)
+          self._keep_executable(path, compiled, fresh, content)
       if compiled is not None:
         self._count('hits', 'load_seconds', time.perf_counter() - t0)
         diskcache.touch(path)  # recently used: kept by _trim
@@ -199,24 +217,29 @@ class ProgramStore:
     if entry is None:  # store off, or not storable: compiled as traced
       compiled = jitted.lower(*args).compile(compiler_options=options)
     else:
-      # Compiled from the stored form even now, so that JAX's compilation
-      # cache holds the very program later runs compile.
-      compiled, fresh = self._from_entry(entry, args, donate_argnums, options, path)
-      self._write(path, entry)
-      if fresh:
-        self._write_executable(path, compiled)
+      # Compiled from the stored form even now: the executable kept is the one
+      # a later run without it would compile.
+      compiled, fresh, content = self._from_entry(entry, args, donate_argnums, options, path)
+      if self._write(path, entry):
+        self._keep_executable(path, compiled, fresh, content)
     self._count('misses', 'compile_seconds', time.perf_counter() - t0)
     return compiled
 
   def _load_executable(self, path: str):
     """The stored executable of the program at ``path``; None when there is
-    none or it cannot be loaded (then reported and removed)."""
-    executable = self.executable_path(path)
-    if not os.path.exists(executable):
+    none (quietly) or it cannot be loaded (then reported and removed)."""
+    pointer = self.pointer_path(path)
+    try:
+      with open(pointer) as f:
+        executable = self.executable_path(f.read().strip())
+      with open(executable, 'rb') as f:
+        data = f.read()
+    except OSError:  # none kept (or trimmed): compiled from the program
       return None
     try:
-      with open(executable, 'rb') as f:
-        payload, in_tree, out_tree = pickle.load(f)
+      checksum, payload, in_tree, out_tree = pickle.loads(data)
+      if zlib.crc32(payload) != checksum:  # machine code: never run a damaged one
+        raise ValueError('checksum mismatch')
       compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
     except Exception as e:  # noqa: BLE001 - any unusable executable is compiled afresh
       self._count('executables_unusable')
@@ -225,18 +248,30 @@ class ProgramStore:
       diskcache.remove(executable)
       return None
     self._count('executables_loaded')
+    diskcache.touch(pointer)
     diskcache.touch(executable)
     return compiled
 
-  def _write_executable(self, path: str, compiled) -> None:
-    """Keeps ``compiled`` (compiled by this process, not read from JAX's
-    cache) beside the program at ``path``; quietly nothing when XLA cannot
-    serialise it (the program alone is kept)."""
+  def _keep_executable(self, path: str, compiled, fresh: bool, content: str) -> None:
+    """Keeps the executable of the program at ``path`` for later runs: its
+    name in the entry's pointer and, when XLA compiled it in this process
+    (``fresh``), the executable itself. A compile that JAX's cache answered
+    points to the executable of the same lowered program when another entry
+    kept one; otherwise (or when XLA cannot serialise it) only the program
+    is kept, counted in ``executables_not_kept``."""
+    executable = self.executable_path(content)
     try:
-      payload = pickle.dumps(serialize_executable.serialize(compiled))
+      if fresh:
+        payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        data = pickle.dumps((zlib.crc32(payload), payload, in_tree, out_tree))
+        if not self._write(executable, data, 'it is compiled from its program next time'):
+          return
+      elif not os.path.exists(executable):
+        raise FileNotFoundError('read from JAX\'s cache; no entry kept it')
     except Exception:  # noqa: BLE001 - e.g. a program with constants: not serialisable
+      self._count('executables_not_kept')
       return
-    self._write(self.executable_path(path), payload,
+    self._write(self.pointer_path(path), content.encode(),
                 'it is compiled from its program next time')
 
   def _count(self, counter: str, seconds: str | None = None, dt: float = 0.0) -> None:
@@ -245,37 +280,45 @@ class ProgramStore:
       if seconds:
         setattr(self, seconds, getattr(self, seconds) + dt)
 
-  @classmethod
-  def _load(cls, path: str, args: tuple, donate_argnums: tuple[int, ...],
-            options: dict | None = None) -> tuple[Any, bool]:
+  def _load(self, path: str, args: tuple, donate_argnums: tuple[int, ...],
+            options: dict | None = None) -> tuple[Any, bool, str]:
     with open(path, 'rb') as f:
       entry = f.read()
-    return cls._from_entry(entry, args, donate_argnums, options, path)
+    return self._from_entry(entry, args, donate_argnums, options, path)
 
-  @staticmethod
-  def _from_entry(entry: bytes, args: tuple, donate_argnums: tuple[int, ...],
-                  options: dict | None, path: str) -> tuple[Any, bool]:
+  def _from_entry(self, entry: bytes, args: tuple, donate_argnums: tuple[int, ...],
+                  options: dict | None, path: str) -> tuple[Any, bool, str]:
     """Compiles a stored program (the entry at ``path``) for ``args``: the
     exported module takes and gives flat lists; the trees around it are the
     arguments' and the stored output tree. Also says whether XLA compiled it
-    here (see :func:`compile_fresh`).
-
-    The module is named after the entry: JAX's cache key begins with the
-    module's name, so the same program under a new entry (the code or the
-    configuration changed, the trace did not) is compiled afresh once, and
-    its executable kept, instead of being read from JAX's cache for ever."""
+    here (see :func:`compile_fresh`), and names what it compiled: a hash of
+    the lowered module (without locations), the options, the arguments'
+    shardings (device ids) and this machine. Entries whose traces differ
+    only in where they ran (locations) share it: JAX's cache answers one
+    after the other compiled it, and the first one's executable serves both."""
     blob, out_tree, out_shardings = pickle.loads(entry)
     exported = jax_export.deserialize(bytearray(blob))
 
     def call(*call_args):
       return out_tree.unflatten(exported.call(*jax.tree.leaves(call_args)))
 
-    call.__name__ = call.__qualname__ = (
-        'pipejax_' + os.path.basename(path)[:-len(PROGRAM_SUFFIX)].replace('-', '_'))
-
     shardings = out_tree.unflatten([_rebuild(d) for d in out_shardings])
-    return compile_fresh(jax.jit(call, donate_argnums=donate_argnums,
-                                 out_shardings=shardings).lower(*args), options)
+
+    def lower(name: str):
+      call.__name__ = call.__qualname__ = name
+      return jax.jit(call, donate_argnums=donate_argnums, out_shardings=shardings).lower(*args)
+
+    lowered = lower(f'pipejax_{os.path.basename(path).split("-")[0]}')
+    compiled, fresh = compile_fresh(lowered, options)
+    content = hashlib.sha256('\0'.join(
+        (lowered.as_text(), json.dumps(options or {}, sort_keys=True),
+         arguments_signature(args), repr(out_shardings), self._machine)).encode()).hexdigest()
+    if not fresh and self.enabled and not os.path.exists(self.executable_path(content)):
+      # JAX's cache answered, and no entry kept the executable (it was lost):
+      # compiled once more under a name used once, which JAX's cache key
+      # begins with, so that XLA compiles it and it can be kept.
+      compiled, fresh = compile_fresh(lower(f'pipejax_once_{uuid.uuid4().hex[:12]}'), options)
+    return compiled, fresh, content
 
   def _export(self, path: str, jitted, args: tuple) -> bytes | None:
     """The store's entry for ``jitted`` at ``args`` (None, with one line, if
@@ -297,7 +340,9 @@ class ProgramStore:
       return None
 
   def _write(self, path: str, entry: bytes,
-             consequence: str = 'it is traced again next time') -> None:
+             consequence: str = 'it is traced again next time') -> bool:
+    """Writes ``entry`` to ``path`` whole or not at all; False (with one line)
+    when it cannot."""
     tmp = f'{path}.{uuid.uuid4().hex}.tmp'
     try:
       with open(tmp, 'wb') as f:
@@ -306,16 +351,20 @@ class ProgramStore:
     except OSError as e:
       diskcache.remove(tmp)
       self.log(f'program store: cannot write {path} ({e}); {consequence}')
+      return False
+    return True
 
   def _trim(self, max_bytes: int) -> None:
-    diskcache.trim(self.directory, (PROGRAM_SUFFIX, EXECUTABLE_SUFFIX), max_bytes)
+    diskcache.trim(self.directory, (PROGRAM_SUFFIX, EXECUTABLE_SUFFIX, POINTER_SUFFIX),
+                   max_bytes)
 
   def stats(self) -> dict:
     return {'programs_loaded': self.hits, 'programs_traced': self.misses,
             'programs_unusable': self.corrupt, 'program_load_seconds': self.load_seconds,
             'program_trace_compile_seconds': self.compile_seconds,
             'executables_loaded': self.executables_loaded,
-            'executables_unusable': self.executables_unusable}
+            'executables_unusable': self.executables_unusable,
+            'executables_not_kept': self.executables_not_kept}
 
 
 _compiles = threading.local()  # per thread: the cache hits JAX reported
@@ -323,24 +372,29 @@ _listening = False
 _listening_lock = threading.Lock()
 
 
-def _count_cache_hit(event: str, **kwargs) -> None:
+def _count_cache_events(event: str, **kwargs) -> None:
   del kwargs
-  if event == _CACHE_HIT_EVENT:
-    _compiles.cache_hits = getattr(_compiles, 'cache_hits', 0) + 1
+  if event in (_CACHE_REQUEST_EVENT, _CACHE_HIT_EVENT):
+    setattr(_compiles, event, getattr(_compiles, event, 0) + 1)
 
 
 def compile_fresh(lowered, options: dict | None = None) -> tuple[Any, bool]:
   """``lowered.compile(compiler_options=options)``, and whether XLA compiled
-  it in this call: False when JAX's persistent cache answered (JAX reports
-  the hit, synchronously, in the compiling thread)."""
+  it in this call. JAX records its cache events synchronously in the
+  compiling thread: fresh means JAX's persistent cache is off, or it was
+  asked and did not answer. Anything else (a hit, or no request seen: JAX's
+  events changed) counts as not fresh."""
   global _listening
   with _listening_lock:
     if not _listening:
-      jax.monitoring.register_event_listener(_count_cache_hit)
+      jax.monitoring.register_event_listener(_count_cache_events)
       _listening = True
-  before = getattr(_compiles, 'cache_hits', 0)
+  before = {e: getattr(_compiles, e, 0) for e in (_CACHE_REQUEST_EVENT, _CACHE_HIT_EVENT)}
   compiled = lowered.compile(compiler_options=options)
-  return compiled, getattr(_compiles, 'cache_hits', 0) == before
+  seen = {e: getattr(_compiles, e, 0) - n for e, n in before.items()}
+  cache_off = not (jax.config.jax_compilation_cache_dir and
+                   jax.config.jax_enable_compilation_cache)
+  return compiled, seen[_CACHE_HIT_EVENT] == 0 and (seen[_CACHE_REQUEST_EVENT] > 0 or cache_off)
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,7 +413,7 @@ def machine_fingerprint() -> str:
           cpu[name] = value.strip()
   except OSError:
     pass
-  cpu.setdefault('processor', platform.processor() or platform.machine())
+  cpu['machine'] = [platform.system(), platform.machine(), platform.processor()]
   return hashlib.sha256(json.dumps(
       {'platform': client.platform, 'version': client.platform_version, 'cpu': cpu},
       sort_keys=True).encode()).hexdigest()

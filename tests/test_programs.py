@@ -17,7 +17,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipejax.programs import EXECUTABLE_SUFFIX, PROGRAM_SUFFIX, ProgramStore
+from pipejax import programs
+from pipejax.programs import EXECUTABLE_SUFFIX, POINTER_SUFFIX, PROGRAM_SUFFIX, ProgramStore
 from tests.test_trainer import _Bar, _config, _trainer
 
 
@@ -146,8 +147,9 @@ def test_another_process_runs_the_stored_executable(tmp_path):
   cache entry would miss its kernels) and give the traced program's bits."""
   store = ProgramStore(str(tmp_path / 'store'), {'run': 1}, log=pytest.fail)
   state, batch = _args()
-  compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
-                           donate_argnums=(0,))
+  with _jax_cache(0.0):  # as in a run: JAX's cache keeps the compile too
+    compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
+                             donate_argnums=(0,))
   first = compiled(state, batch)
   want = _bits(compiled(first[0], batch))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,37 +162,103 @@ def test_another_process_runs_the_stored_executable(tmp_path):
   assert got == want
 
 
-def test_an_executable_read_from_jax_cache_is_not_kept(tmp_path):
-  """A compile that JAX's persistent cache answered keeps only the program:
-  serialised again, such an executable would miss its kernels."""
+def test_a_compile_answered_by_jax_cache_is_not_fresh():
+  salt = _salt()
+  replicated = NamedSharding(_mesh(), P())
+  x = jax.device_put(jnp.ones((8, 8)), replicated)
+  with _jax_cache(0.0):
+    first = programs.compile_fresh(jax.jit(lambda x: jnp.tanh(x) + salt).lower(x))
+    again = programs.compile_fresh(jax.jit(lambda x: jnp.tanh(x) + salt).lower(x))
+  assert first[1] and not again[1]
+  np.testing.assert_array_equal(again[0](x), first[0](x))
+
+
+def test_an_executable_that_is_not_fresh_is_not_kept(tmp_path, monkeypatch):
+  """Read from JAX's cache, serialised again, an executable would miss its
+  kernels: only the program is kept, and it is counted."""
+  monkeypatch.setattr(programs, 'compile_fresh',
+                      lambda lowered, options=None: (lowered.compile(), False))
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+  state, batch = _args()
+  compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
+                           donate_argnums=(0,))
+  assert int(compiled(state, batch)[0]['step']) == 1
+  assert len(_files(tmp_path, PROGRAM_SUFFIX)) == 1 and _files(tmp_path, EXECUTABLE_SUFFIX) == []
+  assert store.stats()['executables_not_kept'] == 1
+
+
+def test_entries_of_the_same_program_share_its_executable(tmp_path):
+  """A second entry of the same program (here another identity; in a run, a
+  changed configuration whose programs did not change) is answered by JAX's
+  cache, and points to the executable the first entry kept. An executable
+  lost while JAX's cache holds its program is compiled and kept again."""
   state, batch = _args()
   salt = _salt()
   with _jax_cache(0.0):
-    first = ProgramStore(str(tmp_path / 'a'), {'run': 1}, log=pytest.fail)
-    first.compile('step', ('k',), _spec((state, batch)), _build([], salt), donate_argnums=(0,))
-    # The same program traced again for another store: JAX's cache has it now.
-    second = ProgramStore(str(tmp_path / 'b'), {'run': 1}, log=pytest.fail)
-    compiled = second.compile('step', ('k',), _spec((state, batch)), _build([], salt),
-                              donate_argnums=(0,))
-  assert len(_files(tmp_path / 'a', EXECUTABLE_SUFFIX)) == 1
-  assert len(_files(tmp_path / 'b', PROGRAM_SUFFIX)) == 1
-  assert _files(tmp_path / 'b', EXECUTABLE_SUFFIX) == []
+    for run in (1, 2):
+      store = ProgramStore(str(tmp_path), {'run': run}, log=pytest.fail)
+      store.compile('step', ('k',), _spec((state, batch)), _build([], salt),
+                    donate_argnums=(0,))
+      assert store.stats()['executables_not_kept'] == 0
+    assert len(_files(tmp_path, PROGRAM_SUFFIX)) == len(_files(tmp_path, POINTER_SUFFIX)) == 2
+    (executable,) = _files(tmp_path, EXECUTABLE_SUFFIX)
+    second = ProgramStore(str(tmp_path), {'run': 2}, log=pytest.fail)
+    state, batch = _args()
+    got = second.compile('step', ('k',), _spec((state, batch)), pytest.fail,
+                         donate_argnums=(0,))(state, batch)
+    assert second.stats()['executables_loaded'] == 1
+    assert int(got[0]['step']) == 1
+    os.remove(executable)
+    again = ProgramStore(str(tmp_path), {'run': 2}, log=pytest.fail)
+    again.compile('step', ('k',), _spec(_args()), pytest.fail, donate_argnums=(0,))
+  assert again.stats()['programs_loaded'] == 1 and again.stats()['executables_loaded'] == 0
+  assert again.stats()['executables_not_kept'] == 0 and _files(tmp_path, EXECUTABLE_SUFFIX) == [
+      executable]
+  last = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
   state, batch = _args()
+  got = last.compile('step', ('k',), _spec((state, batch)), pytest.fail,
+                     donate_argnums=(0,))(state, batch)
+  assert last.stats()['executables_loaded'] == 1 and int(got[0]['step']) == 1
+
+
+def test_the_program_written_nowhere_is_reported_once(tmp_path, monkeypatch):
+  """An unwritable store: one line for the program, no executable attempted."""
+  def refuse(src, dst):
+    raise OSError('read-only file system')
+
+  monkeypatch.setattr(programs.os, 'replace', refuse)
+  messages = []
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=messages.append)
+  state, batch = _args()
+  compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
+                           donate_argnums=(0,))
   assert int(compiled(state, batch)[0]['step']) == 1
+  assert len(messages) == 1 and 'cannot write' in messages[0], messages
+  assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize('damage', ['truncate', 'garbage'])
+def _damaged(data: bytes, damage: str) -> bytes:
+  if damage == 'truncate':
+    return data[:len(data) // 2]
+  if damage == 'garbage':
+    return b'\x00not a program' * 50
+  checksum, payload, in_tree, out_tree = pickle.loads(data)  # one byte of machine code
+  flipped = bytearray(payload)
+  flipped[len(flipped) // 2] ^= 0x10
+  return pickle.dumps((checksum, bytes(flipped), in_tree, out_tree))
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garbage', 'bit'])
 def test_an_unusable_executable_is_reported_and_compiled_from_its_program(tmp_path, damage):
   state, batch = _args()
   store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
-  # JAX's cache does not keep it: compiled from its program again, it is kept again.
-  with _jax_cache(1e9):
+  with _jax_cache(0.0):  # as in a run: JAX's cache keeps every compile
     want = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
                          donate_argnums=(0,))(state, batch)
     (path,) = _files(tmp_path, EXECUTABLE_SUFFIX)
     data = open(path, 'rb').read()
     with open(path, 'wb') as f:
-      f.write(data[:len(data) // 2] if damage == 'truncate' else b'\x00not a program' * 50)
+      f.write(_damaged(data, damage))
     messages = []
     store = ProgramStore(str(tmp_path), {'run': 1}, log=messages.append)
     state, batch = _args()
@@ -200,7 +268,7 @@ def test_an_unusable_executable_is_reported_and_compiled_from_its_program(tmp_pa
   assert store.stats()['executables_unusable'] == 1 and store.stats()['programs_loaded'] == 1
   assert len(messages) == 1 and 'unusable' in messages[0] and 'from its program' in messages[0]
   # Compiled here from the program, the executable was written again; it loads.
-  assert open(path, 'rb').read() not in (data[:len(data) // 2], b'\x00not a program' * 50)
+  assert open(path, 'rb').read() != _damaged(data, damage)
   store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
   store.compile('step', ('k',), _spec(_args()), pytest.fail, donate_argnums=(0,))
   assert store.stats()['executables_loaded'] == 1
@@ -251,6 +319,7 @@ def test_the_key_follows_identity_name_key_and_arguments(tmp_path):
   flipped = _spec((state, jax.device_put(batch, NamedSharding(other_devices, P('data')))))
   assert store.path('step', ('k',), flipped) != base
   assert store.path('step', ('k',), args, {'xla_cpu_experimental_ynn_fusion_type': ''}) != base
+  assert store.path('step', ('k',), args, donate_argnums=(0,)) != base
 
 
 @pytest.mark.parametrize('directory', [True, False])
@@ -315,10 +384,10 @@ def test_an_elastic_run_from_stored_programs_trains_bit_for_bit(tmp_path):
   assert traced[3]['programs_traced'] > 0 and traced[3]['programs_loaded'] == 0
   assert loaded[3]['programs_loaded'] == traced[3]['programs_traced']
   assert loaded[3]['programs_traced'] == 0
-  # Those compiled here (not read from JAX's cache) came back as executables.
-  assert 0 < loaded[3]['executables_loaded'] <= loaded[3]['programs_loaded']
+  assert loaded[3]['executables_loaded'] == loaded[3]['programs_loaded']
+  assert traced[3]['executables_not_kept'] == 0
   kinds = {n.split('-')[0] for n in os.listdir(tmp_path)}
-  assert kinds == {'step', 'move', 'prefix', 'advance', 'portable'}, kinds
+  assert kinds == {'step', 'move', 'prefix', 'advance', 'portable', 'exec'}, kinds
   assert 'K=4' in want[1][0] and 'K=4' not in want[1][-1], want[1]  # compressed
   for got in (traced, loaded):
     assert got[0] == want[0] and got[1] == want[1]
