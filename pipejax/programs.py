@@ -237,10 +237,14 @@ class ProgramStore:
     except OSError:  # none kept (or trimmed): compiled from the program
       return None
     try:
-      checksum, payload, in_tree, out_tree = pickle.loads(data)
+      checksum, payload, in_tree, out_tree, device_ids = pickle.loads(data)
       if zlib.crc32(payload) != checksum:  # machine code: never run a damaged one
         raise ValueError('checksum mismatch')
-      compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+      by_id = {d.id: d for d in jax.devices()}
+      # The executable's own devices, in its order: XLA aborts the process
+      # (not an exception) when they do not match its shardings.
+      compiled = serialize_executable.deserialize_and_load(
+          payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
     except Exception as e:  # noqa: BLE001 - any unusable executable is compiled afresh
       self._count('executables_unusable')
       self.log(f'program store: {os.path.basename(executable)} is unusable '
@@ -263,7 +267,8 @@ class ProgramStore:
     try:
       if fresh:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        data = pickle.dumps((zlib.crc32(payload), payload, in_tree, out_tree))
+        device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+        data = pickle.dumps((zlib.crc32(payload), payload, in_tree, out_tree, device_ids))
         if not self._write(executable, data, 'it is compiled from its program next time'):
           return
       elif not os.path.exists(executable):

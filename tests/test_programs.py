@@ -22,14 +22,18 @@ from pipejax.programs import EXECUTABLE_SUFFIX, POINTER_SUFFIX, PROGRAM_SUFFIX, 
 from tests.test_trainer import _Bar, _config, _trainer
 
 
-def _mesh():
+def _mesh(half: bool = False):
+  """All 8 devices, or (``half``, as a run without AutoDP after K shrank)
+  the last 4 in reverse order."""
+  if half:
+    return Mesh(np.array(jax.devices()[4:][::-1]).reshape(2, 2), ('data', 'stage'))
   return Mesh(np.array(jax.devices()).reshape(2, 4), ('data', 'stage'))
 
 
-def _args():
+def _args(half: bool = False):
   """A state with an optax tree (not serializable by jax.export itself),
   sharded over 'stage', and a batch split over 'data'."""
-  mesh = _mesh()
+  mesh = _mesh(half)
   params = {'w': jnp.arange(32.0).reshape(4, 8), 'b': jnp.ones(8)}
   opt = optax.adamw(0.1).init(params)
   state = jax.device_put({'params': params, 'opt': opt, 'step': jnp.zeros((), jnp.int32)},
@@ -45,8 +49,8 @@ def _salt() -> float:
   return float(np.random.default_rng().integers(1, 1 << 20))
 
 
-def _build(calls, salt: float = 0.0):
-  mesh = _mesh()
+def _build(calls, salt: float = 0.0, half: bool = False):
+  mesh = _mesh(half)
   tx = optax.adamw(0.1)
 
   def step(state, batch):
@@ -61,7 +65,7 @@ def _build(calls, salt: float = 0.0):
     return jax.tree.map(lambda x: x.sharding, state)
 
   return lambda: jax.jit(step, donate_argnums=0,
-                         out_shardings=(shardings(_args()[0]), NamedSharding(mesh, P())))
+                         out_shardings=(shardings(_args(half)[0]), NamedSharding(mesh, P())))
 
 
 def _spec(tree):
@@ -134,7 +138,7 @@ import pytest
 from pipejax.programs import ProgramStore
 from tests.test_programs import _args, _bits, _spec
 store = ProgramStore(sys.argv[1], {'run': 1}, log=pytest.fail)
-state, batch = _args()
+state, batch = _args(sys.argv[4] == 'half')
 loaded = store.compile('step', ('k',), _spec((state, batch)), pytest.fail, donate_argnums=(0,))
 out = loaded(state, batch)
 out = loaded(out[0], batch)
@@ -142,20 +146,24 @@ sys.stdout.buffer.write(pickle.dumps((store.stats(), _bits(out))))
 """
 
 
-def test_another_process_runs_the_stored_executable(tmp_path):
+@pytest.mark.parametrize('devices', ['all', 'half'])
+def test_another_process_runs_the_stored_executable(tmp_path, devices):
   """XLA:CPU's executables are loaded by a fresh process (where a re-serialised
-  cache entry would miss its kernels) and give the traced program's bits."""
+  cache entry would miss its kernels) and give the traced program's bits;
+  one on 4 of the 8 devices, in reverse order, is loaded onto those (XLA
+  aborts the process when they do not match)."""
+  half = devices == 'half'
   store = ProgramStore(str(tmp_path / 'store'), {'run': 1}, log=pytest.fail)
-  state, batch = _args()
+  state, batch = _args(half)
   with _jax_cache(0.0):  # as in a run: JAX's cache keeps the compile too
-    compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt()),
+    compiled = store.compile('step', ('k',), _spec((state, batch)), _build([], _salt(), half),
                              donate_argnums=(0,))
   first = compiled(state, batch)
   want = _bits(compiled(first[0], batch))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   child = subprocess.run([sys.executable, '-c', _CHILD, str(tmp_path / 'store'),
-                          str(tmp_path / 'jax'), root], capture_output=True, check=False,
-                         timeout=300)
+                          str(tmp_path / 'jax'), root, devices], capture_output=True,
+                         check=False, timeout=300)
   assert child.returncode == 0, child.stderr.decode()[-2000:]
   stats, got = pickle.loads(child.stdout)
   assert stats['executables_loaded'] == 1 and stats['programs_traced'] == 0
@@ -242,10 +250,10 @@ def _damaged(data: bytes, damage: str) -> bytes:
     return data[:len(data) // 2]
   if damage == 'garbage':
     return b'\x00not a program' * 50
-  checksum, payload, in_tree, out_tree = pickle.loads(data)  # one byte of machine code
+  checksum, payload, *rest = pickle.loads(data)  # one byte of machine code
   flipped = bytearray(payload)
   flipped[len(flipped) // 2] ^= 0x10
-  return pickle.dumps((checksum, bytes(flipped), in_tree, out_tree))
+  return pickle.dumps((checksum, bytes(flipped), *rest))
 
 
 @pytest.mark.parametrize('damage', ['truncate', 'garbage', 'bit'])
