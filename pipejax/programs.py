@@ -88,6 +88,9 @@ _LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax', 'transformers', 'numpy')
 PROGRAM_SUFFIX = '.jaxexport'
 EXECUTABLE_SUFFIX = '.xla'  # an executable, named by what XLA compiled
 POINTER_SUFFIX = '.ref'  # an entry's executable on this machine: its name
+# The layout of an executable's file, part of its name: a file written by an
+# earlier layout is never pointed to (it would be found unusable at every load).
+EXECUTABLE_FORMAT = 2
 # JAX's events around a compile that may read its persistent cache: a request
 # to it, and a hit (both recorded in the compiling thread).
 _CACHE_REQUEST_EVENT = '/jax/compilation_cache/compile_requests_use_cache'
@@ -317,7 +320,8 @@ class ProgramStore:
     compiled, fresh = compile_fresh(lowered, options)
     content = hashlib.sha256('\0'.join(
         (lowered.as_text(), json.dumps(options or {}, sort_keys=True),
-         arguments_signature(args), repr(out_shardings), self._machine)).encode()).hexdigest()
+         arguments_signature(args), repr(out_shardings), self._machine,
+         str(EXECUTABLE_FORMAT))).encode()).hexdigest()
     if not fresh and self.enabled and not os.path.exists(self.executable_path(content)):
       # JAX's cache answered, and no entry kept the executable (it was lost):
       # compiled once more under a name used once, which JAX's cache key

@@ -229,6 +229,24 @@ def test_entries_of_the_same_program_share_its_executable(tmp_path):
   assert last.stats()['executables_loaded'] == 1 and int(got[0]['step']) == 1
 
 
+def test_an_executable_of_an_earlier_layout_is_not_shared(tmp_path, monkeypatch):
+  """An executable file written by an earlier layout of the store is not
+  pointed to by a new entry of the same program (it would be unusable at
+  every load): the new entry compiles and keeps its own."""
+  state, batch = _args()
+  salt = _salt()
+  with _jax_cache(0.0):
+    ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail).compile(
+        'step', ('k',), _spec((state, batch)), _build([], salt), donate_argnums=(0,))
+    monkeypatch.setattr(programs, 'EXECUTABLE_FORMAT', programs.EXECUTABLE_FORMAT + 1)
+    ProgramStore(str(tmp_path), {'run': 2}, log=pytest.fail).compile(
+        'step', ('k',), _spec((state, batch)), _build([], salt), donate_argnums=(0,))
+    assert len(_files(tmp_path, EXECUTABLE_SUFFIX)) == 2
+    store = ProgramStore(str(tmp_path), {'run': 2}, log=pytest.fail)
+    store.compile('step', ('k',), _spec(_args()), pytest.fail, donate_argnums=(0,))
+  assert store.stats()['executables_loaded'] == 1
+
+
 def test_the_program_written_nowhere_is_reported_once(tmp_path, monkeypatch):
   """An unwritable store: one line for the program, no executable attempted."""
   def refuse(src, dst):
