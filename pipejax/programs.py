@@ -43,9 +43,9 @@ configuration whose programs did not change); when there is none (it was
 trimmed or lost), the program is compiled once more under a module name used
 once (JAX's cache key begins with it), so that XLA compiles it. Where JAX's
 events are not as expected only the program is kept (counted as
-``executables_not_kept``). An executable that cannot be
-loaded (damaged: it carries a checksum) is reported, removed, and the
-program is compiled from its stored form instead.
+``executables_not_kept``). An executable that cannot be loaded (damaged: it
+carries a checksum) is reported, removed, and the program is compiled from
+its stored form instead.
 
 On the CPU, XLA hands dots and elementwise chains to the YNNPACK library
 ("library fusions"), and each such fusion sets itself up at the first
@@ -267,20 +267,21 @@ class ProgramStore:
     kept one; otherwise (or when XLA cannot serialise it) only the program
     is kept, counted in ``executables_not_kept``."""
     executable = self.executable_path(content)
-    try:
-      if fresh:
+    consequence = 'it is compiled from its program next time'
+    if fresh:
+      try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
-        data = pickle.dumps((zlib.crc32(payload), payload, in_tree, out_tree, device_ids))
-        if not self._write(executable, data, 'it is compiled from its program next time'):
-          return
-      elif not os.path.exists(executable):
-        raise FileNotFoundError('read from JAX\'s cache; no entry kept it')
-    except Exception:  # noqa: BLE001 - e.g. a program with constants: not serialisable
+      except Exception:  # noqa: BLE001 - e.g. a program with constants: not serialisable
+        self._count('executables_not_kept')
+        return
+      data = pickle.dumps((zlib.crc32(payload), payload, in_tree, out_tree, device_ids))
+      if not self._write(executable, data, consequence):
+        return
+    elif not os.path.exists(executable):  # read from JAX's cache, and no entry kept it
       self._count('executables_not_kept')
       return
-    self._write(self.pointer_path(path), content.encode(),
-                'it is compiled from its program next time')
+    self._write(self.pointer_path(path), content.encode(), consequence)
 
   def _count(self, counter: str, seconds: str | None = None, dt: float = 0.0) -> None:
     with self._lock:
@@ -322,7 +323,7 @@ class ProgramStore:
         (lowered.as_text(), json.dumps(options or {}, sort_keys=True),
          arguments_signature(args), repr(out_shardings), self._machine,
          str(EXECUTABLE_FORMAT))).encode()).hexdigest()
-    if not fresh and self.enabled and not os.path.exists(self.executable_path(content)):
+    if not fresh and not os.path.exists(self.executable_path(content)):
       # JAX's cache answered, and no entry kept the executable (it was lost):
       # compiled once more under a name used once, which JAX's cache key
       # begins with, so that XLA compiles it and it can be kept.
@@ -376,7 +377,7 @@ class ProgramStore:
             'executables_not_kept': self.executables_not_kept}
 
 
-_compiles = threading.local()  # per thread: the cache hits JAX reported
+_compiles = threading.local()  # per thread: JAX's cache requests and hits, counted
 _listening = False
 _listening_lock = threading.Lock()
 
