@@ -61,6 +61,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.profile_path = '~/.cache/pipejax/micro_batches.json'
   c.pipeline.devices = 8  # fake CPU devices when running on the CPU
   c.pipeline.autodp = True  # False (ablation): R stays 1, devices freed by compression idle
+  # Let a stage boundary fall inside an MLP (between its dense layers) when
+  # that lowers the largest stage's parameters by at least this fraction
+  # (1: never). Ticks then also carry the MLP's inner activation.
+  c.pipeline.split_mlp_min_gain = 0.05
   c.freeze = ml_collections.ConfigDict()
   c.freeze.policy = 'pipetransformer'  # or 'schedule', 'none'
   c.freeze.alpha = 1 / 3

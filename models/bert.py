@@ -70,6 +70,15 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     return output.apply({'params': params['output']}, inner, hidden,
                         deterministic=not train, rngs=_rngs(rng, train))
 
+  def mlp_in_fn(params, hidden, batch, rng, train):
+    del batch, rng, train  # no dropout before the output layer
+    return intermediate.apply({'params': params['intermediate']}, hidden)
+
+  def mlp_out_fn(params, inner, hidden, batch, rng, train):
+    del batch
+    return output.apply({'params': params['output']}, inner, hidden,
+                        deterministic=not train, rngs=_rngs(rng, train))
+
   def logits_fn(params, hidden, batch, rng, train):
     del batch
     if head == 'encoder':
@@ -149,5 +158,7 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
       block_keys=('attention_mask',), embed_fn=layered.unit(embed_fn, 3),
       attention_fn=layered.unit(attention_fn, 4), mlp_fn=layered.unit(mlp_fn, 4),
       logits_fn=layered.unit(logits_fn, 4), loss_fn=layered.unit(loss_fn, 4),
-      hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)
+      hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf,
+      mlp_in_fn=layered.unit(mlp_in_fn, 4), mlp_out_fn=layered.unit(mlp_out_fn, 5),
+      mlp_in_keys=('intermediate',))
 

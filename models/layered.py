@@ -72,6 +72,15 @@ class LayeredModel:
       Every head reports ``count``; classifiers report ``correct``, a
       regression head (BERT with one output) ``squared_error`` instead.
     hf_to_canonical / canonical_to_hf: exact parameter-tree conversions.
+    mlp_in_fn / mlp_out_fn / mlp_in_keys: the MLP sub-layer in two halves, so
+      that a stage boundary may fall between its two dense layers (AutoPipe's
+      ``split_mlp``): ``mlp_in_fn(mlp_params, hidden, batch, rng, train) ->
+      inner [b, seq, intermediate]`` (norm, first dense layer, activation),
+      ``mlp_out_fn(mlp_params, inner, hidden, batch, rng, train) -> hidden``
+      (second dense layer, dropout, residual), and ``mlp_out_fn(p, mlp_in_fn(p,
+      h, ...), h, ...)`` is exactly ``mlp_fn(p, h, ...)``. ``mlp_in_keys``
+      names the top-level keys of the MLP tree that the first half reads; the
+      others belong to the second. None / () where a model has no split.
   """
 
   name: str
@@ -87,6 +96,14 @@ class LayeredModel:
   loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
   hf_to_canonical: Callable[[Params], Params]
   canonical_to_hf: Callable[[Params], Params]
+  mlp_in_fn: Callable[..., jax.Array] | None = None
+  mlp_out_fn: Callable[..., jax.Array] | None = None
+  mlp_in_keys: tuple[str, ...] = ()
+
+  @property
+  def can_split_mlp(self) -> bool:
+    """Whether a stage boundary may fall inside an MLP sub-layer."""
+    return bool(self.mlp_in_fn and self.mlp_out_fn and self.mlp_in_keys)
 
   @property
   def num_units(self) -> int:

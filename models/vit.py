@@ -52,6 +52,16 @@ def build(config: ViTConfig) -> layered.LayeredModel:
     return output.apply({'params': params['output']}, inner, hidden,
                         deterministic=not train, rngs=_rngs(rng, train))
 
+  def mlp_in_fn(params, hidden, batch, rng, train):
+    del batch, rng, train  # no dropout before the output layer
+    normed = layer_norm.apply({'params': params['layernorm_after']}, hidden)
+    return intermediate.apply({'params': params['intermediate']}, normed)
+
+  def mlp_out_fn(params, inner, hidden, batch, rng, train):
+    del batch
+    return output.apply({'params': params['output']}, inner, hidden,
+                        deterministic=not train, rngs=_rngs(rng, train))
+
   def logits_fn(params, hidden, batch, rng, train):
     del batch, rng, train
     normed = layer_norm.apply({'params': params['layernorm']}, hidden)
@@ -92,4 +102,6 @@ def build(config: ViTConfig) -> layered.LayeredModel:
       block_keys=(), embed_fn=layered.unit(embed_fn, 3),
       attention_fn=layered.unit(attention_fn, 4), mlp_fn=layered.unit(mlp_fn, 4),
       logits_fn=layered.unit(logits_fn, 4), loss_fn=layered.unit(loss_fn, 4),
-      hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf)
+      hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf,
+      mlp_in_fn=layered.unit(mlp_in_fn, 4), mlp_out_fn=layered.unit(mlp_out_fn, 5),
+      mlp_in_keys=('layernorm_after', 'intermediate'))

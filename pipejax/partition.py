@@ -8,7 +8,12 @@ and in order, to ``pipeline_length`` stages; each stage gets at least one unit.
 On the devices every stage holds a padded stack of *block slots*: slot j of a
 stage is one transformer block of which the stage may own the attention
 half, the MLP half, or both (a stage boundary may fall between the two
-halves). ``stage_params['attention']`` and ``stage_params['mlp']`` are
+halves). A partition may also *split* an MLP sub-layer between its two dense
+layers (:attr:`Partition.split_mlp`): the stage before the boundary runs its
+first half (norm, first dense layer, activation) and sends the
+``[.., intermediate]`` activation on with the residual stream; the stage
+after runs its second half. The MLP's parameters are then divided by their
+top-level keys (:attr:`Partition.mlp_in_keys`) between the two stages. ``stage_params['attention']`` and ``stage_params['mlp']`` are
 ``[pipeline_length, slots, ...]`` stacks sharded over the mesh axis
 ``'stage'``; unused halves and padded slots are zero and are skipped at run
 time (see :mod:`pipejax.pipeline`). Embedding and head parameters are
@@ -44,15 +49,25 @@ class Partition:
       of the same length padded to the same width share one compiled step
       (the slot tables are runtime data), so a freeze event that keeps K
       reuses the step it already has; padding costs a skipped branch per slot.
+    split_mlp: the stages whose last unit, an MLP sub-layer, is split with
+      the next stage: it runs the MLP's first half, the next stage (which
+      counts the unit in neither size) its second half. Empty: every unit
+      runs whole on one stage.
+    mlp_in_keys: with ``split_mlp``, the top-level keys of the MLP parameter
+      tree that the first half reads (:attr:`models.LayeredModel.mlp_in_keys`).
   """
 
   num_layers: int
   num_frozen_layers: int
   stage_sizes: tuple[int, ...]
   min_slots: int = 0
+  split_mlp: tuple[int, ...] = ()
+  mlp_in_keys: tuple[str, ...] = ()
 
   def __post_init__(self):
     object.__setattr__(self, 'stage_sizes', tuple(int(s) for s in self.stage_sizes))
+    object.__setattr__(self, 'split_mlp', tuple(sorted({int(s) for s in self.split_mlp})))
+    object.__setattr__(self, 'mlp_in_keys', tuple(self.mlp_in_keys))
     if not 0 <= self.num_frozen_layers < self.num_layers:
       raise PartitionError(f'frozen layers must be in [0, {self.num_layers}), got '
                            f'{self.num_frozen_layers}')
@@ -64,6 +79,17 @@ class Partition:
           f'partition {list(self.stage_sizes)} covers {sum(self.stage_sizes)} units but the '
           f'model has {self.num_active_units} active units (L={self.num_layers}, '
           f'{self.num_frozen_layers} frozen); stage sizes must sum to that')
+    if self.split_mlp:
+      if not self.mlp_in_keys:
+        raise PartitionError('a partition that splits an MLP sub-layer needs mlp_in_keys '
+                             '(the MLP parameters of its first half)')
+      units = self.stage_units()
+      for s in self.split_mlp:
+        last = units[s][-1] if 0 <= s < self.pipeline_length - 1 else None
+        if last is None or unit_block(last, self.num_layers) is None or last % 2:
+          raise PartitionError(
+              f'split_mlp {list(self.split_mlp)}: stage {s} must be followed by another and '
+              f'end with an MLP sub-layer (stage sizes {list(self.stage_sizes)})')
 
   @property
   def pipeline_length(self) -> int:
@@ -114,19 +140,28 @@ class SlotTables:
 
   Attributes:
     layer: global block index of each slot (0 where padded).
-    has_attention / has_mlp: whether the stage owns that half of the block.
+    has_attention: whether the stage runs the block's attention sub-layer.
+    has_mlp_in / has_mlp_out: whether it runs the first / second half of the
+      block's MLP sub-layer (both: the whole MLP; one: a split MLP).
   """
   layer: np.ndarray
   has_attention: np.ndarray
-  has_mlp: np.ndarray
+  has_mlp_in: np.ndarray
+  has_mlp_out: np.ndarray
 
   @property
   def num_slots(self) -> int:
     return int(self.layer.shape[1])
 
-  def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(layer, has_attention, has_mlp)``: what a compiled step takes at run time."""
-    return self.layer, self.has_attention, self.has_mlp
+  @property
+  def has_mlp(self) -> np.ndarray:
+    """Whether the stage runs any of the block's MLP sub-layer."""
+    return self.has_mlp_in | self.has_mlp_out
+
+  def arrays(self) -> tuple[np.ndarray, ...]:
+    """``(layer, has_attention, has_mlp_in, has_mlp_out)``: what a compiled
+    step takes at run time."""
+    return self.layer, self.has_attention, self.has_mlp_in, self.has_mlp_out
 
 
 def unit_block(unit: int, num_layers: int) -> int | None:
@@ -137,25 +172,32 @@ def unit_block(unit: int, num_layers: int) -> int | None:
 
 def _slot_tables(partition: Partition) -> SlotTables:
   per_stage = []
-  for units in partition.stage_units():
-    slots: list[list] = []  # [layer, has_attention, has_mlp]
+  for s, units in enumerate(partition.stage_units()):
+    slots: list[list] = []  # [layer, has_attention, has_mlp_in, has_mlp_out]
+    if s - 1 in partition.split_mlp:  # the second half of the previous stage's MLP
+      slots.append([unit_block(partition.stage_units()[s - 1][-1], partition.num_layers),
+                    False, False, True])
     for u in units:
       layer = unit_block(u, partition.num_layers)
       if layer is None:
         continue
       if not slots or slots[-1][0] != layer:
-        slots.append([layer, False, False])
-      slots[-1][1 + (u - 1) % 2] = True
+        slots.append([layer, False, False, False])
+      if u % 2:
+        slots[-1][1] = True
+      else:
+        slots[-1][2] = True
+        slots[-1][3] = not (s in partition.split_mlp and u == units[-1])
     per_stage.append(slots)
   width = max(1, partition.min_slots, max(len(s) for s in per_stage))
   k = partition.pipeline_length
   layer = np.zeros((k, width), np.int32)
-  has_a = np.zeros((k, width), bool)
-  has_m = np.zeros((k, width), bool)
+  flags = np.zeros((3, k, width), bool)
   for s, slots in enumerate(per_stage):
-    for j, (l, a, m) in enumerate(slots):
-      layer[s, j], has_a[s, j], has_m[s, j] = l, a, m
-  return SlotTables(layer, has_a, has_m)
+    for j, (l, *f) in enumerate(slots):
+      layer[s, j] = l
+      flags[:, s, j] = f
+  return SlotTables(layer, *flags)
 
 
 def to_stage_params(params: Params, partition: Partition) -> Params:
@@ -178,7 +220,8 @@ def to_stage_params(params: Params, partition: Partition) -> Params:
     return jnp.where(m, taken, jnp.zeros((), taken.dtype))
 
   out = {'attention': jax.tree.map(lambda x: gather(x, t.has_attention), params['attention']),
-         'mlp': jax.tree.map(lambda x: gather(x, t.has_mlp), params['mlp']),
+         'mlp': _map_mlp_halves(partition, params['mlp'], lambda tree, half: jax.tree.map(
+             lambda x: gather(x, half), tree), t.has_mlp_in, t.has_mlp_out),
          'head': params['head']}
   if partition.has_embed:
     out['embed'] = params['embed']
@@ -198,8 +241,11 @@ def from_stage_params(stage_params: Params, partition: Partition, frozen: Params
   """
   t = partition.tables
   num_frozen = partition.num_frozen_layers
-  where_a = {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(t.has_attention))}
-  where_m = {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(t.has_mlp))}
+
+  def where(mask):
+    return {int(t.layer[s, j]): (s, j) for s, j in zip(*np.nonzero(mask))}
+
+  where_a = where(t.has_attention)
 
   def scatter(prefix, staged, where):
     rows = [prefix[l] if l < num_frozen else staged[where[l]]
@@ -210,9 +256,33 @@ def from_stage_params(stage_params: Params, partition: Partition, frozen: Params
       'embed': stage_params['embed'] if partition.has_embed else frozen['embed'],
       'attention': jax.tree.map(lambda f, s: scatter(f, s, where_a), frozen['attention'],
                                 stage_params['attention']),
-      'mlp': jax.tree.map(lambda f, s: scatter(f, s, where_m), frozen['mlp'], stage_params['mlp']),
+      'mlp': _map_mlp_halves(
+          partition, (frozen['mlp'], stage_params['mlp']),
+          lambda trees, half: jax.tree.map(lambda f, s: scatter(f, s, half), *trees),
+          where(t.has_mlp_in), where(t.has_mlp_out)),
       'head': stage_params['head'],
   }
+
+
+def _map_mlp_halves(partition: Partition, trees, fn, first, second):
+  """``fn(part, half)`` for the MLP parameters of each half: ``first`` for the
+  keys of :attr:`Partition.mlp_in_keys`, ``second`` for the others; ``trees``
+  is an MLP tree or a tuple of them (mapped together). Without a split MLP
+  the halves are on the same stages: ``fn(trees, first)`` for the whole tree."""
+  if not partition.split_mlp:
+    return fn(trees, first)
+  group = trees if isinstance(trees, tuple) else (trees,)
+  keys = group[-1].keys()
+  unknown = set(partition.mlp_in_keys) - set(keys)
+  if unknown:
+    raise PartitionError(f'mlp_in_keys {sorted(unknown)} are not MLP parameters (it has '
+                         f'{sorted(keys)})')
+  out = {}
+  for k in keys:
+    sub = tuple(t[k] for t in group)
+    out[k] = fn(sub if isinstance(trees, tuple) else sub[0],
+                first if k in partition.mlp_in_keys else second)
+  return out
 
 
 def frozen_prefix(params: Params, num_frozen_layers: int) -> Params:

@@ -73,8 +73,10 @@ class Plan:
     return self.replicas * self.pipeline_length
 
   def describe(self) -> str:
+    split = (f' split_mlp={list(self.partition.split_mlp)}' if self.partition.split_mlp
+             else '')
     return (f'K={self.pipeline_length} R={self.replicas} M={self.micro_batches} '
-            f'{self.schedule} stages={list(self.partition.stage_sizes)} '
+            f'{self.schedule} stages={list(self.partition.stage_sizes)}{split} '
             f'frozen={self.partition.num_frozen_layers}')
 
 
@@ -133,9 +135,11 @@ def program_key(plan: Plan) -> tuple:
   — a freeze event that keeps K and the slot width (see
   :attr:`pipejax.partition.Partition.min_slots`) — share one program."""
   partition, tables = plan.partition, plan.partition.tables
-  return (partition.num_layers, plan.pipeline_length, plan.replicas, plan.micro_batches,
-          plan.schedule, tables.num_slots, partition.has_embed,
-          bool(tables.has_attention.all()), bool(tables.has_mlp.all()))
+  key = (partition.num_layers, plan.pipeline_length, plan.replicas, plan.micro_batches,
+         plan.schedule, tables.num_slots, partition.has_embed,
+         bool(tables.has_attention.all()), bool(tables.has_mlp.all()))
+  # A split MLP sends its inner activation between stages: another program.
+  return key + ((partition.mlp_in_keys,) if partition.split_mlp else ())
 
 
 def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, train: bool,
@@ -151,6 +155,14 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
   head_unit = 2 * partition.num_layers + 1
   training = not sched.forward_only
   all_attn, all_mlp = bool(tables.has_attention.all()), bool(tables.has_mlp.all())
+  # With a split MLP a stage sends ``[hidden | inner]`` (concatenated on the
+  # feature axis, so that a tick still moves one array): the residual stream
+  # and the MLP's inner activation, zero unless the sending stage ended with
+  # the first half of a split MLP.
+  split = bool(partition.split_mlp)
+  if split and not model.can_split_mlp:
+    raise PlanError(f'the partition splits an MLP sub-layer but model {model.name!r} has no '
+                    'MLP halves (mlp_in_fn, mlp_out_fn, mlp_in_keys)')
   # One stage is first and last at once: its branches are known statically.
   single = num_stages == 1
 
@@ -165,12 +177,15 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     shared = {k: v for k, v in stage_params.items() if k not in ('attention', 'mlp')}
     params = {**shared, **local}
     micro = jax.tree.map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), dict(batch))
-    slot_layer, slot_attn, slot_mlp = (t[0] for t in slot_tables)
+    slot_layer, slot_attn, slot_mlp_in, slot_mlp_out = (t[0] for t in slot_tables)
 
     def stage_fn(p, x, m):
-      """Stage forward on micro-batch m: ``x [mb, seq, d] -> (out, (loss, metrics))``."""
+      """Stage forward on micro-batch m: ``x [mb, seq, d] -> (out, (loss, metrics))``
+      (``[mb, seq, d + inner]`` with a split MLP)."""
       mb = jax.tree.map(lambda a: a[m], micro)
       key = jax.random.fold_in(rng, replica * num_micro + m)
+      if split:
+        x, inner = x[..., :hidden_shape.shape[-1]], x[..., hidden_shape.shape[-1]:]
       if partition.has_embed:
         embed = lambda: model.embed_fn(p['embed'], mb, unit_rng(key, 0), train)
         h = embed() if single else lax.cond(is_first, embed, lambda: x)
@@ -178,33 +193,56 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
         h = jnp.where(is_first, mb['hidden'].astype(x.dtype), x)
 
       def block(h, xs):
-        attn_p, mlp_p, layer, has_a, has_m = xs
+        attn_p, mlp_p, layer, has_a, has_in, has_out = xs
         attn = lambda h: model.attention_fn(attn_p, h, mb, unit_rng(key, 1 + 2 * layer), train)
-        mlp = lambda h: model.mlp_fn(mlp_p, h, mb, unit_rng(key, 2 + 2 * layer), train)
+        mlp_key = unit_rng(key, 2 + 2 * layer)
+        mlp = lambda h: model.mlp_fn(mlp_p, h, mb, mlp_key, train)
+        if split:
+          h, inner = h
+          h = lax.cond(has_a, attn, lambda h: h, h)
+          # 0: no MLP, 1: its first half (sent on), 2: its second half
+          # (received), 3: the whole MLP.
+          return lax.switch(has_in.astype(jnp.int32) + 2 * has_out.astype(jnp.int32), [
+              lambda h, inner: (h, inner),
+              lambda h, inner: (h, model.mlp_in_fn(mlp_p, h, mb, mlp_key, train)),
+              lambda h, inner: (model.mlp_out_fn(mlp_p, inner, h, mb, mlp_key, train),
+                                jnp.zeros_like(inner)),
+              lambda h, inner: (mlp(h), inner)], h, inner), None
         # A half that every stage owns in this slot needs no branch.
         h = attn(h) if all_attn else lax.cond(has_a, attn, lambda h: h, h)
-        h = mlp(h) if all_mlp else lax.cond(has_m, mlp, lambda h: h, h)
+        h = mlp(h) if all_mlp else lax.cond(has_in, mlp, lambda h: h, h)
         return h, None
 
       # Unrolled: XLA then fuses across blocks and saves the loop's
       # per-iteration slicing (measured 1.29x -> 1.10x of plain DP at K=1).
-      h, _ = lax.scan(block, h, (p['attention'], p['mlp'], slot_layer, slot_attn, slot_mlp),
-                      unroll=True)
+      h, _ = lax.scan(block, (h, inner) if split else h,
+                      (p['attention'], p['mlp'], slot_layer, slot_attn, slot_mlp_in,
+                       slot_mlp_out), unroll=True)
+      if split:
+        h, inner = h
       zeros = (jnp.zeros((), jnp.float32), _zeros_like_metrics(model, p['head'], h, mb))
       head = lambda: model.loss_fn(p['head'], h, mb, unit_rng(key, head_unit), train)
       loss_and_metrics = head() if single else lax.cond(is_last, head, lambda: zeros)
-      return h, loss_and_metrics
+      return (jnp.concatenate([h, inner.astype(h.dtype)], -1) if split else h), loss_and_metrics
 
     hidden_shape = jax.eval_shape(
         lambda: model.embed_fn(shared['embed'], jax.tree.map(lambda a: a[0], micro), None, False)
     ) if partition.has_embed else jax.ShapeDtypeStruct(micro['hidden'].shape[1:],
                                                        micro['hidden'].dtype)
-    act_zero = jnp.zeros(hidden_shape.shape, hidden_shape.dtype)
-    act_fill = jnp.full(hidden_shape.shape, fill, hidden_shape.dtype)
-    metric_zero = _zeros_like_metrics(model, shared['head'], act_zero,
-                                      jax.tree.map(lambda a: a[0], micro))
+    metric_zero = _zeros_like_metrics(
+        model, shared['head'], jnp.zeros(hidden_shape.shape, hidden_shape.dtype),
+        jax.tree.map(lambda a: a[0], micro))
+    act_shape = hidden_shape.shape
+    if split:
+      inner_shape = jax.eval_shape(
+          lambda h: model.mlp_in_fn(jax.tree.map(lambda x: x[0], local['mlp']), h,
+                                    jax.tree.map(lambda a: a[0], micro), None, False),
+          hidden_shape)
+      act_shape = act_shape[:-1] + (act_shape[-1] + inner_shape.shape[-1],)
+    act_zero = jnp.zeros(act_shape, hidden_shape.dtype)
+    act_fill = jnp.full(act_shape, fill, hidden_shape.dtype)
     grads0 = jax.tree.map(jnp.zeros_like, params) if training else None
-    buf0 = jnp.full((buffers.num_slots,) + hidden_shape.shape, fill, hidden_shape.dtype)
+    buf0 = jnp.full((buffers.num_slots,) + act_shape, fill, hidden_shape.dtype)
     ops = jnp.asarray(sched.ops, jnp.int32)
     mbs = jnp.asarray(np.maximum(sched.micro_batch, 0), jnp.int32)
     slots = jnp.asarray(buffers.slot)

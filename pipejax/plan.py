@@ -3,7 +3,10 @@
     python -m pipejax.plan --model vit-b16 --devices 8 --frozen-layers 0
 
 ``stages`` lists each stage's sub-layers (``embed``, ``attn.i``, ``mlp.i``,
-``head``) and parameter count; ``pipeline_length`` is after compression
+``head``; an MLP split between two stages is ``mlp.i.in`` at the end of the
+first, ``mlp.i.out`` at the start of the second: ``split_mlp`` lists the
+stages that end with one, ``--split-mlp-min-gain`` as in training) and
+parameter count; ``pipeline_length`` is after compression
 (Eq. 2) from ``--initial-pipeline-length`` (default: the device count);
 ``micro_batches`` is the choice that a training run of the same model on as
 many devices (and ``--batch-size``, when given) profiled and remembered in
@@ -78,7 +81,7 @@ def _nearest(matching: list, differences: list[list[str]]) -> str:
 
 def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,
                initial_pipeline_length: int | None = None, batch_size: int | None = None,
-               profile: str | None = None) -> dict:
+               profile: str | None = None, split_mlp_min_gain: float = 0.05) -> dict:
   """The plan of ``model_name`` (a key of :data:`models.PRESETS`) as a dict."""
   import models  # noqa: PLC0415
   from pipejax import autopipe  # noqa: PLC0415
@@ -99,10 +102,15 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
     raise ValueError(f'--batch-size must be >= 1, got {batch_size}')
   if initial_pipeline_length is not None and initial_pipeline_length < 1:
     raise ValueError(f'--initial-pipeline-length must be >= 1, got {initial_pipeline_length}')
+  if not 0 <= split_mlp_min_gain <= 1:  # also refuses NaN
+    raise ValueError(f'--split-mlp-min-gain must be in [0, 1] (1: never), got '
+                     f'{split_mlp_min_gain}')
   initial = initial_pipeline_length or devices
   if devices % initial:
     raise ValueError(f'initial pipeline length {initial} does not divide {devices} devices')
-  costs = autopipe.parameter_costs(params)
+  costs = autopipe.parameter_costs(
+      params, created.model.mlp_in_keys if created.model.can_split_mlp else (),
+      split_mlp_min_gain)
   stage_plan = autopipe.compress(costs, frozen_layers, initial, initial, lambda_frozen)
   partition = stage_plan.partition
   k = partition.pipeline_length
@@ -114,9 +122,14 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
   attn, mlp = unit_costs[1], unit_costs[2]
   shared = unit_costs[0] * partition.has_embed + unit_costs[-1]
   stages = []
-  for units, cost in zip(partition.stage_units(), stage_plan.stage_costs):
-    stages.append({'sublayers': [_unit_name(u, num_layers) for u in units],
-                   'parameters': int(cost)})
+  all_units = partition.stage_units()
+  for s, (units, cost) in enumerate(zip(all_units, stage_plan.stage_costs)):
+    names = [_unit_name(u, num_layers) for u in units]
+    if s in partition.split_mlp:
+      names[-1] += '.in'
+    if s - 1 in partition.split_mlp:
+      names.insert(0, _unit_name(all_units[s - 1][-1], num_layers) + '.out')
+    stages.append({'sublayers': names, 'parameters': int(cost)})
   frozen = costs.frozen(frozen_layers)
   padded_stack = slots * (attn + mlp)  # every device holds the padded block slots
   memory = []
@@ -132,7 +145,8 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
       'model': model_name, 'devices': devices, 'frozen_layers': frozen_layers,
       'lambda_frozen': lambda_frozen, 'pipeline_length': k, 'replicas': replicas,
       'micro_batches': micro, 'micro_batches_source': source,
-      'stage_sizes': list(partition.stage_sizes), 'stages': stages,
+      'stage_sizes': list(partition.stage_sizes), 'split_mlp': list(partition.split_mlp),
+      'stages': stages,
       'max_stage_parameters': max(s['parameters'] for s in stages),
       'memory_proxy_eq2': int(stage_plan.memory_proxy),
       'estimated_memory_per_stage': memory,
@@ -148,6 +162,9 @@ def main(argv=None) -> int:
   p.add_argument('--initial-pipeline-length', type=int, default=None)
   p.add_argument('--batch-size', type=int, default=None,
                  help="the profiled run's train.batch_size (with --profile)")
+  p.add_argument('--split-mlp-min-gain', type=float, default=0.05,
+                 help='split an MLP between stages when that lowers the largest stage by at '
+                      "least this fraction (1: never; training's pipeline.split_mlp_min_gain)")
   p.add_argument('--profile', default=None,
                  help="a training run's micro-batch profile (its pipeline.profile_path)")
   args = p.parse_args(argv)
@@ -156,7 +173,8 @@ def main(argv=None) -> int:
     plan = build_plan(args.model, args.devices, args.frozen_layers,
                       lambda_frozen=args.lambda_frozen,
                       initial_pipeline_length=args.initial_pipeline_length,
-                      batch_size=args.batch_size, profile=args.profile)
+                      batch_size=args.batch_size, profile=args.profile,
+                      split_mlp_min_gain=args.split_mlp_min_gain)
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2

@@ -64,7 +64,8 @@ class Transition:
 def layer_grad_norms(grads: Params, partition: part.Partition, tables=None) -> jax.Array:
   """``[L]`` gradient norm of every block (attention and MLP halves together)
   from gradients in the stage layout; frozen blocks get 0. ``tables``: the
-  slot tables as runtime arrays ``(layer, has_attention, has_mlp)`` (default:
+  slot tables as runtime arrays ``(layer, has_attention, has_mlp_in,
+  has_mlp_out)`` (a split MLP's halves on two stages add up; default:
   ``partition``'s, as constants)."""
   t = part.SlotTables(*(partition.tables.arrays() if tables is None else tables))
 
@@ -233,7 +234,9 @@ class Trainer:
       min_active = max(min_active, math.ceil((c.pipeline.initial_length - 1) / 2))
     self.policy = freeze.FreezePolicy(c.freeze.policy, model.num_layers, c.freeze.alpha,
                                       min(min_active, model.num_layers))
-    self.costs = autopipe.parameter_costs(params)
+    self.costs = autopipe.parameter_costs(
+        params, model.mlp_in_keys if model.can_split_mlp else (),
+        c.pipeline.get('split_mlp_min_gain', 1.0))
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices,
@@ -433,6 +436,7 @@ class Trainer:
         'plan': {'frozen_layers': plan.partition.num_frozen_layers,
                  'stage_sizes': list(plan.partition.stage_sizes),
                  'min_slots': plan.partition.min_slots,
+                 'split_mlp': list(plan.partition.split_mlp),
                  'pipeline_length': plan.pipeline_length, 'replicas': plan.replicas,
                  'micro_batches': plan.micro_batches, 'schedule': plan.schedule,
                  'describe': plan.describe()},
@@ -461,8 +465,10 @@ class Trainer:
     num_frozen = saved['frozen_layers']
     k = saved['pipeline_length']
     if meta['devices'] == self.num_devices and self.num_devices % k == 0:
+      split = tuple(saved.get('split_mlp', ()))
       return part.Partition(self.model.num_layers, num_frozen, tuple(saved['stage_sizes']),
-                            saved.get('min_slots', 0))
+                            saved.get('min_slots', 0), split,
+                            self.model.mlp_in_keys if split else ())
     limit = min(k, self.initial_length) if num_frozen else self.initial_length
     k = max(d for d in range(1, limit + 1) if self.num_devices % d == 0)
     partition = autopipe.partition_for(self.costs, num_frozen, k,

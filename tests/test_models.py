@@ -40,6 +40,32 @@ def test_hf_tree_round_trip_is_exact(kind):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize('kind', ['vit', 'bert-classification'])
+def test_mlp_halves_compose_to_the_mlp_sub_layer(kind):
+  """What a stage boundary inside an MLP runs: the second half on the first
+  half's inner activation is the whole sub-layer, with dropout's mask too;
+  each half reads only its own keys (the other's are NaN here)."""
+  created = fixtures.tiny(kind, dropout=0.3)
+  model = created.model
+  assert model.can_split_mlp
+  mlp = jax.tree.map(lambda x: x[1], created.params['mlp'])
+  hidden = jax.random.normal(jax.random.PRNGKey(0), (2, 5, model.hf_config.hidden_size))
+  batch = {'attention_mask': np.ones((2, 5), np.int32)}
+  rng = jax.random.PRNGKey(3)
+  only = lambda keep: {k: (v if k in keep else jax.tree.map(lambda x: x * np.nan, v))  # noqa: E731
+                       for k, v in mlp.items()}
+  first = only(model.mlp_in_keys)
+  second = only(set(mlp) - set(model.mlp_in_keys))
+  for train in (False, True):
+    inner = model.mlp_in_fn(first, hidden, batch, rng, train)
+    assert inner.shape == (2, 5, model.hf_config.intermediate_size)
+    got = model.mlp_out_fn(second, inner, hidden, batch, rng, train)
+    want = model.mlp_fn(mlp, hidden, batch, rng, train)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  dropped = model.mlp_fn(mlp, hidden, batch, rng, True)
+  assert not np.allclose(dropped, model.mlp_fn(mlp, hidden, batch, rng, False))
+
+
 def test_regression_head_loss_is_mse_of_the_hf_logits():
   """STS-B's head (one output): the loss is the mean squared error of HF's
   own logit against the float labels, computed independently in numpy; the

@@ -303,3 +303,105 @@ def test_exchange_defaults_to_one_collective_on_cpu_and_refuses_unknown_names():
   assert pipeline.Pipeline(created.model).exchange == 'all_gather'
   with pytest.raises(pipeline.PlanError, match="exchange must be 'auto' or one of"):
     pipeline.Pipeline(created.model, exchange='broadcast')
+
+
+# (model, K, schedule, stage sizes, stages ending with a split MLP). L = 4:
+# units 0 embed, 1 + 2i attn.i, 2 + 2i mlp.i, 9 head.
+SPLIT_CASES = [
+    ('vit', 4, '1f1b', (3, 2, 2, 3), (0, 2)),
+    ('bert-classification', 2, 'gpipe', (5, 5), (0,)),
+    # Stage 3 runs only mlp.1's first half; stage 4 its second half, then attn.2.
+    ('vit', 8, '1f1b', (1, 2, 1, 1, 1, 1, 2, 1), (1, 3, 5)),
+    ('bert-question_answering', 8, 'gpipe', (1, 2, 1, 1, 1, 1, 2, 1), (1, 3, 5)),
+]
+
+
+@pytest.mark.parametrize('kind,k,schedule,sizes,split', SPLIT_CASES)
+def test_a_split_mlp_equals_sequential_and_its_halves_stay_apart(kind, k, schedule, sizes, split):
+  """An MLP split between two stages (its inner activation travels with the
+  residual stream) gives the sequential model's loss and gradients; each
+  stage holds and updates only its half: the other half's parameters are
+  poisoned with NaN on it and get exactly zero gradient there."""
+  created = fixtures.tiny(kind, num_layers=4)
+  model, params = created.model, created.params
+  partition = part.Partition(4, 0, sizes, split_mlp=split, mlp_in_keys=model.mlp_in_keys)
+  t = partition.tables
+  assert (t.has_mlp_in != t.has_mlp_out).sum() == 2 * len(split)
+  stage_params = part.to_stage_params(params, partition)
+  # Laying out and back is exact, the halves coming from their own stages.
+  back = part.from_stage_params(stage_params, partition, part.frozen_prefix(params, 0))
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  owned = {key: (t.has_mlp_in if key in model.mlp_in_keys else t.has_mlp_out)
+           for key in stage_params['mlp']}
+
+  def poison(stack, mask):
+    return jnp.where(mask.reshape(mask.shape + (1,) * (stack.ndim - 2)), stack, jnp.nan)
+
+  poisoned = dict(stage_params, mlp={key: jax.tree.map(lambda x, m=owned[key]: poison(x, m), v)
+                                     for key, v in stage_params['mlp'].items()})
+  batch = fixtures.batch(kind, model, (8 // k) * 2 * 2, seed=k)
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  plan = pipeline.Plan(partition, 8 // k, 2, schedule)
+  loss, metrics, grads = pipe.grad_fn(plan, poisoned, train=False)(
+      poisoned, batch, jax.random.PRNGKey(0))
+  (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
+      lambda p: model.loss(p, batch), has_aux=True)(params)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert float(metrics['count']) == float(ref_metrics['count'])
+  for key, stack in grads['mlp'].items():
+    for g in jax.tree.leaves(stack):
+      g = np.asarray(g)
+      assert np.all(g[~owned[key]] == 0.0)  # exactly zero, and not NaN
+      assert np.all(np.isfinite(g))
+  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  # The forward-only program (evaluation) runs the same split.
+  eval_loss, _ = pipe.eval_fn(plan, stage_params)(stage_params, batch, jax.random.PRNGKey(0))
+  assert abs(float(eval_loss) - float(ref_loss)) <= 1e-5
+  # Both exchanges deliver the pair bit for bit.
+  other = pipeline.Pipeline(model, fill=NAN, exchange='ppermute')
+  again = other.grad_fn(plan, stage_params, train=False)(stage_params, batch,
+                                                         jax.random.PRNGKey(0))
+  mine = pipe.grad_fn(plan, stage_params, train=False)(stage_params, batch, jax.random.PRNGKey(0))
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(mine), strict=True):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_a_split_mlp_with_dropout_draws_the_unsplit_masks():
+  """Dropout in a split MLP draws the masks the whole MLP draws: the same
+  training step, split or not, gives the same loss and gradients."""
+  created = fixtures.tiny('vit', num_layers=4, dropout=0.3)
+  model, params = created.model, created.params
+  whole = part.Partition(4, 0, (3, 2, 2, 3))
+  split = part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0, 2), mlp_in_keys=model.mlp_in_keys)
+  batch = fixtures.batch('vit', model, 8, seed=2)
+  out = []
+  for partition in (whole, split):
+    stage_params = part.to_stage_params(params, partition)
+    loss, _, grads = pipeline.Pipeline(model).grad_fn(pipeline.Plan(partition, 2, 2),
+                                                      stage_params)(
+        stage_params, batch, jax.random.PRNGKey(7))
+    out.append((float(loss), _canonical(grads, partition, params)))
+  assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
+  assert _max_err(out[0][1], out[1][1]) <= 1e-5
+  assert abs(out[0][0] - float(model.loss(params, batch)[0])) > 1e-4  # dropout was on
+
+
+def test_a_split_mlp_partition_is_checked():
+  keys = fixtures.tiny('vit', num_layers=4).model.mlp_in_keys
+  with pytest.raises(part.PartitionError, match='stage 0 must be followed by another and end '
+                                                'with an MLP sub-layer'):
+    part.Partition(4, 0, (2, 3, 2, 3), split_mlp=(0,), mlp_in_keys=keys)  # ends with attn.0
+  with pytest.raises(part.PartitionError, match='stage 3 must be followed by another'):
+    part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(3,), mlp_in_keys=keys)  # the last stage
+  with pytest.raises(part.PartitionError, match='needs mlp_in_keys'):
+    part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0,))
+  created = fixtures.tiny('vit', num_layers=4)
+  wrong = part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0,), mlp_in_keys=('dense_1',))
+  with pytest.raises(part.PartitionError, match=r"mlp_in_keys \['dense_1'\] are not MLP"):
+    part.to_stage_params(created.params, wrong)
+  # Split and unsplit partitions of the same sizes compile apart.
+  whole = part.Partition(4, 0, (3, 2, 2, 3))
+  split = part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0,), mlp_in_keys=keys)
+  assert pipeline.program_key(pipeline.Plan(whole, 2, 2)) != pipeline.program_key(
+      pipeline.Plan(split, 2, 2))

@@ -104,6 +104,10 @@ def test_transition_keeps_moments_step_rng_and_head():
   params = jax.tree.map(np.array, trainer.canonical_params())
   step, rng = int(trainer.state['step']), np.asarray(trainer.state['rng'])
   old_plan = trainer.plan
+  # AutoPipe split an MLP between two stages (L = 4 on 8 stages: 1,696
+  # parameters on the largest stage instead of 2,000): its halves' moments
+  # come from two stages.
+  assert old_plan.partition.split_mlp == (5,)
   trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
   new_plan = trainer.plan
   assert new_plan.partition.num_frozen_layers == 3 and new_plan.pipeline_length < 8
@@ -200,10 +204,14 @@ def test_bench_plans_makes_the_plans_the_trainer_makes_padded_and_narrow():
   assert padded[8].partition.tables.num_slots == narrow[1].partition.tables.num_slots
 
 
-def test_layer_grad_norms_match_canonical_reference():
+@pytest.mark.parametrize('split', [(), (0, 1)])
+def test_layer_grad_norms_match_canonical_reference(split):
+  """Per-block norms from the stage layout, a split MLP's halves (on two
+  stages) added up."""
   created = fixtures.tiny('bert-classification', num_layers=4)
   model, params = created.model, created.params
-  partition = part.Partition(4, 0, (2, 3, 3, 2))
+  partition = part.Partition(4, 0, (3, 2, 3, 2), split_mlp=split,
+                             mlp_in_keys=model.mlp_in_keys if split else ())
   batch = fixtures.batch('bert-classification', model, 8)
   grads = jax.grad(lambda p: model.loss(p, batch)[0])(params)
   staged = part.to_stage_params(grads, partition)
@@ -212,6 +220,21 @@ def test_layer_grad_norms_match_canonical_reference():
                  + sum(float(jnp.sum(g[i] ** 2)) for g in jax.tree.leaves(grads['mlp'])))
          for i in range(4)]
   np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_a_checkpoint_restores_a_split_mlp_partition():
+  trainer, _ = _trainer(_config(initial_length=4))
+  assert trainer.plan.partition.split_mlp == (0,)  # (3, 2, 2, 3): mlp.0 split
+  meta = trainer.checkpoint_meta(0, 0, False)
+  assert meta['plan']['split_mlp'] == [0]
+  assert trainer._restored_partition(meta) == trainer.plan.partition
+  # Without the split (split_mlp_min_gain = 1) the same stage sizes run whole.
+  config = _config(initial_length=4)
+  with config.unlocked():
+    config.pipeline.split_mlp_min_gain = 1.0
+  whole, _ = _trainer(config)
+  assert whole.plan.partition.split_mlp == ()
+  assert whole.plan.partition.stage_sizes == trainer.plan.partition.stage_sizes
 
 
 def test_policy_none_is_a_static_pipeline():
