@@ -184,6 +184,9 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
     (['--config.train.weight_decay=-0.5'], 'train.weight_decay must be >= 0, got -0.5'),
     (['--config.train.max_steps_per_epoch=-1'], 'train.max_steps_per_epoch must be >= 0'),
     (['--config.freeze.lambda_frozen=nan'], 'freeze.lambda_frozen (a frozen layer'),
+    (['--config.pipeline.split_mlp_min_gain=1.5'],
+     'pipeline.split_mlp_min_gain must be in [0, 1] (1: never split an MLP between stages), '
+     'got 1.5'),
     (['--config.model.pretrained=/nonexistent/vit'],
      "model.pretrained: cannot load pretrained model from '/nonexistent/vit'"),
     (['--config.model.hidden_size=30'], 'model.hidden_size=30 must be a multiple of '
