@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 import models
 from experiments import datasets, text_data, text_eval
-from pipejax import (checkpoints, distributed, freeze, frozen_prefix, pipeline, reporting,
-                     resume, runtime, schedule)
+from pipejax import (autopipe, checkpoints, distributed, freeze, frozen_prefix, pipeline,
+                     reporting, resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader, ShardedLoader
 from pipejax.partition import PartitionError
@@ -72,9 +72,10 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f'checkpoint.every_steps must be >= 0, got {c.checkpoint.every_steps}')
   if c.checkpoint.keep < 1:
     raise ConfigError(f'checkpoint.keep must be >= 1, got {c.checkpoint.keep}')
-  if not 0 <= c.pipeline.split_mlp_min_gain <= 1:  # also refuses NaN
+  split_gain = c.pipeline.get('split_mlp_min_gain', autopipe.SPLIT_MLP_MIN_GAIN)
+  if not 0 <= split_gain <= 1:  # also refuses NaN
     raise ConfigError(f'pipeline.split_mlp_min_gain must be in [0, 1] (1: never split an '
-                      f'MLP between stages), got {c.pipeline.split_mlp_min_gain}')
+                      f'MLP between stages), got {split_gain}')
   if c.pipeline.micro_batches < 0:
     raise ConfigError(f'pipeline.micro_batches must be >= 0 (0: profiled), got '
                       f'{c.pipeline.micro_batches}')

@@ -22,6 +22,7 @@ runtime.setup(8)
 import ml_collections  # noqa: E402
 
 from experiments import elastic  # noqa: E402
+from pipejax import autopipe  # noqa: E402
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -64,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Let a stage boundary fall inside an MLP (between its dense layers) when
   # that lowers the largest stage's parameters by at least this fraction
   # (1: never). Ticks then also carry the MLP's inner activation.
-  c.pipeline.split_mlp_min_gain = 0.05
+  c.pipeline.split_mlp_min_gain = autopipe.SPLIT_MLP_MIN_GAIN
   c.freeze = ml_collections.ConfigDict()
   c.freeze.policy = 'pipetransformer'  # or 'schedule', 'none'
   c.freeze.alpha = 1 / 3

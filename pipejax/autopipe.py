@@ -26,15 +26,17 @@ tick. The balance, Eq. 2's proxy and so compression are unchanged by that
 choice.
 
 A stage boundary may also fall inside an MLP sub-layer, between its two dense
-layers (``split_mlp_min_gain``; the models of :mod:`models` say which MLP
-parameters each half holds). The partition is then balanced over the finer
+layers (``split_mlp_min_gain``, default :data:`SPLIT_MLP_MIN_GAIN`; the models
+of :mod:`models` say which MLP parameters each half holds). The partition is then balanced over the finer
 pieces; it is taken when it lowers the largest stage's cost by at least that
 fraction of the whole-sub-layer optimum, since every pipeline tick then
 carries the MLP's inner activation (``intermediate / hidden`` times the
 residual stream's bytes) besides the residual stream. Of the split partitions
 that reach the optimum, the one with the fewest splits, then the narrowest, is
 taken. ViT-B/16 on 8 stages: 12.58M parameters on the largest stage with
-whole sub-layers, 11.82M with split MLPs.
+whole sub-layers, 11.82M with split MLPs. A split changes what a stage owns
+and runs, not what its device stores (the stage layout is dense); Eq. 2's
+reference is therefore the whole-sub-layer partition's at T = 0.
 """
 from __future__ import annotations
 
@@ -55,6 +57,12 @@ import numpy as np
 
 from pipejax import diskcache
 from pipejax.partition import Partition, PartitionError, unit_block
+
+
+#: Split an MLP between stages when that lowers the largest stage's cost by at
+#: least this fraction (training's ``pipeline.split_mlp_min_gain``, and
+#: ``python -m pipejax.plan``'s ``--split-mlp-min-gain``).
+SPLIT_MLP_MIN_GAIN = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +328,11 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
   largest stage at T = 0 (Eq. 2). Starts from the current ``pipeline_length``
   and never grows it; a length above the number of active units is halved
   first, whatever the memory."""
-  reference = partition_for(costs, 0, initial_pipeline_length, lambda_frozen).memory_proxy
+  # The reference is the whole-sub-layer partition's: a split lowers the
+  # parameters a stage owns, not what its device stores (the stage layout is
+  # dense; see pipejax.partition), so it must not make compression stricter.
+  whole = dataclasses.replace(costs, split_mlp_min_gain=1.0)
+  reference = partition_for(whole, 0, initial_pipeline_length, lambda_frozen).memory_proxy
   k = pipeline_length
   # More stages than active units cannot run: halve regardless of memory.
   while k > len(costs.active(num_frozen_layers)):

@@ -13,10 +13,14 @@ layers (:attr:`Partition.split_mlp`): the stage before the boundary runs its
 first half (norm, first dense layer, activation) and sends the
 ``[.., intermediate]`` activation on with the residual stream; the stage
 after runs its second half. The MLP's parameters are then divided by their
-top-level keys (:attr:`Partition.mlp_in_keys`) between the two stages. ``stage_params['attention']`` and ``stage_params['mlp']`` are
+top-level keys (:attr:`Partition.mlp_in_keys`) between the two stages.
+
+``stage_params['attention']`` and ``stage_params['mlp']`` are
 ``[pipeline_length, slots, ...]`` stacks sharded over the mesh axis
-``'stage'``; unused halves and padded slots are zero and are skipped at run
-time (see :mod:`pipejax.pipeline`). Embedding and head parameters are
+``'stage'``; unused halves (a split MLP's other half too) and padded slots are
+zero and are skipped at run time (see :mod:`pipejax.pipeline`). The stacks
+are dense: every device stores ``slots`` whole blocks, whatever its stage
+owns. Embedding and head parameters are
 replicated and used only by the first and last stage.
 """
 from __future__ import annotations
@@ -50,9 +54,9 @@ class Partition:
       (the slot tables are runtime data), so a freeze event that keeps K
       reuses the step it already has; padding costs a skipped branch per slot.
     split_mlp: the stages whose last unit, an MLP sub-layer, is split with
-      the next stage: it runs the MLP's first half, the next stage (which
-      counts the unit in neither size) its second half. Empty: every unit
-      runs whole on one stage.
+      the next stage: the stage runs the MLP's first half (and counts the
+      unit in its size), the next stage its second half (not counted in its
+      size). Empty: every unit runs whole on one stage.
     mlp_in_keys: with ``split_mlp``, the top-level keys of the MLP parameter
       tree that the first half reads (:attr:`models.LayeredModel.mlp_in_keys`).
   """

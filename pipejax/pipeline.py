@@ -136,10 +136,10 @@ def program_key(plan: Plan) -> tuple:
   :attr:`pipejax.partition.Partition.min_slots`) — share one program."""
   partition, tables = plan.partition, plan.partition.tables
   key = (partition.num_layers, plan.pipeline_length, plan.replicas, plan.micro_batches,
-         plan.schedule, tables.num_slots, partition.has_embed,
-         bool(tables.has_attention.all()), bool(tables.has_mlp.all()))
-  # A split MLP sends its inner activation between stages: another program.
-  return key + ((partition.mlp_in_keys,) if partition.split_mlp else ())
+         plan.schedule, tables.num_slots, partition.has_embed)
+  if partition.split_mlp:  # its inner activation travels too; every half is a branch
+    return key + ('split_mlp', partition.mlp_in_keys)
+  return key + (bool(tables.has_attention.all()), bool(tables.has_mlp.all()))
 
 
 def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, train: bool,

@@ -81,7 +81,7 @@ def _nearest(matching: list, differences: list[list[str]]) -> str:
 
 def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,
                initial_pipeline_length: int | None = None, batch_size: int | None = None,
-               profile: str | None = None, split_mlp_min_gain: float = 0.05) -> dict:
+               profile: str | None = None, split_mlp_min_gain: float | None = None) -> dict:
   """The plan of ``model_name`` (a key of :data:`models.PRESETS`) as a dict."""
   import models  # noqa: PLC0415
   from pipejax import autopipe  # noqa: PLC0415
@@ -102,6 +102,8 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
     raise ValueError(f'--batch-size must be >= 1, got {batch_size}')
   if initial_pipeline_length is not None and initial_pipeline_length < 1:
     raise ValueError(f'--initial-pipeline-length must be >= 1, got {initial_pipeline_length}')
+  if split_mlp_min_gain is None:
+    split_mlp_min_gain = autopipe.SPLIT_MLP_MIN_GAIN
   if not 0 <= split_mlp_min_gain <= 1:  # also refuses NaN
     raise ValueError(f'--split-mlp-min-gain must be in [0, 1] (1: never), got '
                      f'{split_mlp_min_gain}')
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
   p.add_argument('--initial-pipeline-length', type=int, default=None)
   p.add_argument('--batch-size', type=int, default=None,
                  help="the profiled run's train.batch_size (with --profile)")
-  p.add_argument('--split-mlp-min-gain', type=float, default=0.05,
+  p.add_argument('--split-mlp-min-gain', type=float, default=None,
                  help='split an MLP between stages when that lowers the largest stage by at '
                       "least this fraction (1: never; training's pipeline.split_mlp_min_gain)")
   p.add_argument('--profile', default=None,

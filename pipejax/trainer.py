@@ -236,7 +236,7 @@ class Trainer:
                                       min(min_active, model.num_layers))
     self.costs = autopipe.parameter_costs(
         params, model.mlp_in_keys if model.can_split_mlp else (),
-        c.pipeline.get('split_mlp_min_gain', 1.0))
+        c.pipeline.get('split_mlp_min_gain', autopipe.SPLIT_MLP_MIN_GAIN))
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices,
@@ -1132,7 +1132,8 @@ class Trainer:
              **eval_metrics, 'epoch_seconds': stats['epoch_seconds'],
              'samples_per_second': stats['samples_per_second'],
              'transition_seconds': transition_seconds, 'eval_seconds': eval_seconds,
-             'step': int(self.state['step']), 'stage_sizes': list(plan.partition.stage_sizes)}
+             'step': int(self.state['step']), 'stage_sizes': list(plan.partition.stage_sizes),
+             'split_mlp': list(plan.partition.split_mlp)}
       row.update(self.prefix.stats())
       t0 = time.perf_counter()
       path = None

@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 import models
 from pipejax import autopipe
 from pipejax.partition import Partition, PartitionError
+from tests import fixtures
 
 
 def _brute_force(costs, k, offset=0.0):
@@ -303,12 +305,13 @@ def test_plan_cli_vit_b16():
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
-  # Eq. 2 compresses against the largest stage at T = 0: 11.82M with the
-  # split MLP, 12.58M without. With 8 blocks frozen, K = 4's proxy is 11.94M
-  # (its first stage carries λ·S_frozen = 9.57M): within the second only.
-  assert frozen(8)['pipeline_length'] == 8
-  assert frozen(8, '--split-mlp-min-gain', '1')['pipeline_length'] == 4
-  assert frozen(8, '--split-mlp-min-gain', '1')['memory_proxy_eq2'] == 11_938_176
+  # Eq. 2 compresses against the whole-sub-layer largest stage at T = 0
+  # (12.58M), not the split one (11.82M): a split does not change what a
+  # device stores. With 8 blocks frozen, K = 4's proxy is 11.94M (its first
+  # stage carries λ·S_frozen = 9.57M): within 12.58M, so K = 4 either way.
+  for gain in ((), ('--split-mlp-min-gain', '1')):
+    assert frozen(8, *gain)['pipeline_length'] == 4
+    assert frozen(8, *gain)['memory_proxy_eq2'] == 11_938_176
   assert frozen(9)['pipeline_length'] == 4  # 7 active units: K = 8 cannot run
   bad = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-x',
                         '--devices', '8'], capture_output=True, text=True)
@@ -448,3 +451,41 @@ def test_a_profile_written_before_records_had_a_description_is_still_used(tmp_pa
 def test_partition_rejects_bad_frozen_count():
   with pytest.raises(PartitionError, match='frozen layers must be in'):
     Partition(4, 4, (3,))
+
+
+def test_a_split_mlp_is_taken_when_it_lowers_the_largest_stage_enough():
+  """With ``split_mlp_min_gain`` g, the partition over MLP halves is taken
+  when its largest stage is at most (1 − g) × the whole-sub-layer optimum;
+  both optima checked independently (bisection with greedy packing)."""
+  created = fixtures.tiny('vit', num_layers=4)
+  params, keys = created.params, created.model.mlp_in_keys
+  whole = autopipe.parameter_costs(params)
+  size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+  mlp_in = size({k: params['mlp'][k] for k in keys}) // 4
+  mlp_out = size(params['mlp']) // 4 - mlp_in
+  attn = size(params['attention']) // 4
+  pieces = [size(params['embed'])] + [attn, mlp_in, mlp_out] * 4 + [size(params['head'])]
+  units = [size(params['embed'])] + [attn, mlp_in + mlp_out] * 4 + [size(params['head'])]
+  for k in (2, 4, 8):
+    plain = autopipe.partition_for(whole, 0, k, 1 / 6)
+    assert plain.memory_proxy == _min_max_by_bisection(units, k)
+    best = _min_max_by_bisection(pieces, k)
+    gain = 1 - best / plain.memory_proxy
+    for threshold in (0.0, gain - 1e-3, gain + 1e-3, 1.0):
+      got = autopipe.partition_for(autopipe.parameter_costs(params, keys, threshold), 0, k, 1 / 6)
+      if gain > 0 and threshold <= gain:
+        assert got.memory_proxy == best and got.partition.split_mlp
+        assert got.partition.mlp_in_keys == keys
+        assert sum(got.stage_costs) == sum(pieces)
+      else:
+        assert got == plain
+  # L = 4 on 8 stages: 1,696 parameters on the largest stage with mlp.2 split
+  # (stage 5 ends with its first half), 2,000 with whole sub-layers.
+  split = autopipe.partition_for(autopipe.parameter_costs(params, keys, 0.05), 0, 8, 1 / 6)
+  assert (split.memory_proxy, split.partition.split_mlp) == (1696, (5,))
+  # Compression (Eq. 2) compares with the whole-sub-layer T = 0 stage: a split
+  # lowers what a stage owns, not what its device stores.
+  for frozen in range(4):
+    assert (autopipe.compress(autopipe.parameter_costs(params, keys, 0.0), frozen, 8, 8, 1 / 6)
+            .partition.pipeline_length
+            == autopipe.compress(whole, frozen, 8, 8, 1 / 6).partition.pipeline_length)
