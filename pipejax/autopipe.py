@@ -36,7 +36,8 @@ that reach the optimum, the one with the fewest splits, then the narrowest, is
 taken. ViT-B/16 on 8 stages: 12.58M parameters on the largest stage with
 whole sub-layers, 11.82M with split MLPs. A split changes what a stage owns
 and runs, not what its device stores (the stage layout is dense); Eq. 2's
-reference is therefore the whole-sub-layer partition's at T = 0.
+halving is therefore decided on whole sub-layers (the T = 0 reference and the
+candidates), and only the chosen K's partition may split.
 """
 from __future__ import annotations
 
@@ -328,22 +329,23 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
   largest stage at T = 0 (Eq. 2). Starts from the current ``pipeline_length``
   and never grows it; a length above the number of active units is halved
   first, whatever the memory."""
-  # The reference is the whole-sub-layer partition's: a split lowers the
-  # parameters a stage owns, not what its device stores (the stage layout is
-  # dense; see pipejax.partition), so it must not make compression stricter.
+  # K is decided on whole sub-layers, the reference and the candidates alike:
+  # a split MLP lowers the parameters a stage owns, not what its device
+  # stores (the stage layout is dense; see pipejax.partition), so it must
+  # neither make compression stricter nor let it go further. The partition
+  # of the chosen K may then split.
   whole = dataclasses.replace(costs, split_mlp_min_gain=1.0)
   reference = partition_for(whole, 0, initial_pipeline_length, lambda_frozen).memory_proxy
   k = pipeline_length
   # More stages than active units cannot run: halve regardless of memory.
   while k > len(costs.active(num_frozen_layers)):
     k //= 2
-  plan = partition_for(costs, num_frozen_layers, k, lambda_frozen)
   while k >= 2 and k % 2 == 0:
-    candidate = partition_for(costs, num_frozen_layers, k // 2, lambda_frozen)
+    candidate = partition_for(whole, num_frozen_layers, k // 2, lambda_frozen)
     if candidate.memory_proxy > reference + 1e-6:
       break
-    plan, k = candidate, k // 2
-  return plan
+    k //= 2
+  return partition_for(costs, num_frozen_layers, k, lambda_frozen)
 
 
 def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,

@@ -483,9 +483,19 @@ def test_a_split_mlp_is_taken_when_it_lowers_the_largest_stage_enough():
   # (stage 5 ends with its first half), 2,000 with whole sub-layers.
   split = autopipe.partition_for(autopipe.parameter_costs(params, keys, 0.05), 0, 8, 1 / 6)
   assert (split.memory_proxy, split.partition.split_mlp) == (1696, (5,))
-  # Compression (Eq. 2) compares with the whole-sub-layer T = 0 stage: a split
-  # lowers what a stage owns, not what its device stores.
-  for frozen in range(4):
-    assert (autopipe.compress(autopipe.parameter_costs(params, keys, 0.0), frozen, 8, 8, 1 / 6)
-            .partition.pipeline_length
-            == autopipe.compress(whole, frozen, 8, 8, 1 / 6).partition.pipeline_length)
+  # Compression (Eq. 2) is decided on whole sub-layers: a split lowers what a
+  # stage owns, not what its device stores. At F = 2 from K = 4, K = 2 with
+  # mlp.2 split would own 2,869 parameters on its largest stage, within the
+  # T = 0 stage's 3,104, but whole it owns 3,112: K stays 4.
+  split_costs = autopipe.parameter_costs(params, keys, 0.0)
+  assert autopipe.partition_for(split_costs, 2, 2, 1 / 6).memory_proxy < 3104 < (
+      autopipe.partition_for(whole, 2, 2, 1 / 6).memory_proxy)
+  assert autopipe.partition_for(whole, 0, 4, 1 / 6).memory_proxy == 3104
+  for start in (8, 4):
+    for frozen in range(4):
+      got = autopipe.compress(split_costs, frozen, start, start, 1 / 6).partition
+      want = autopipe.compress(whole, frozen, start, start, 1 / 6).partition
+      assert got.pipeline_length == want.pipeline_length
+      assert got == autopipe.partition_for(split_costs, frozen, got.pipeline_length,
+                                           1 / 6).partition
+  assert autopipe.compress(split_costs, 2, 4, 4, 1 / 6).partition.pipeline_length == 4
