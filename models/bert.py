@@ -64,12 +64,6 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     return attention.apply({'params': params}, hidden, batch['attention_mask'], None,
                            deterministic=not train, rngs=_rngs(rng, train))[0]
 
-  def mlp_fn(params, hidden, batch, rng, train):
-    del batch
-    inner = intermediate.apply({'params': params['intermediate']}, hidden)
-    return output.apply({'params': params['output']}, inner, hidden,
-                        deterministic=not train, rngs=_rngs(rng, train))
-
   def mlp_in_fn(params, hidden, batch, rng, train):
     del batch, rng, train  # no dropout before the output layer
     return intermediate.apply({'params': params['intermediate']}, hidden)
@@ -78,6 +72,10 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     del batch
     return output.apply({'params': params['output']}, inner, hidden,
                         deterministic=not train, rngs=_rngs(rng, train))
+
+  def mlp_fn(params, hidden, batch, rng, train):
+    inner = mlp_in_fn(params, hidden, batch, rng, train)
+    return mlp_out_fn(params, inner, hidden, batch, rng, train)
 
   def logits_fn(params, hidden, batch, rng, train):
     del batch

@@ -45,13 +45,6 @@ def build(config: ViTConfig) -> layered.LayeredModel:
                           deterministic=not train, rngs=_rngs(rng, train))[0]
     return out + hidden
 
-  def mlp_fn(params, hidden, batch, rng, train):
-    del batch
-    normed = layer_norm.apply({'params': params['layernorm_after']}, hidden)
-    inner = intermediate.apply({'params': params['intermediate']}, normed)
-    return output.apply({'params': params['output']}, inner, hidden,
-                        deterministic=not train, rngs=_rngs(rng, train))
-
   def mlp_in_fn(params, hidden, batch, rng, train):
     del batch, rng, train  # no dropout before the output layer
     normed = layer_norm.apply({'params': params['layernorm_after']}, hidden)
@@ -61,6 +54,10 @@ def build(config: ViTConfig) -> layered.LayeredModel:
     del batch
     return output.apply({'params': params['output']}, inner, hidden,
                         deterministic=not train, rngs=_rngs(rng, train))
+
+  def mlp_fn(params, hidden, batch, rng, train):
+    inner = mlp_in_fn(params, hidden, batch, rng, train)
+    return mlp_out_fn(params, inner, hidden, batch, rng, train)
 
   def logits_fn(params, hidden, batch, rng, train):
     del batch, rng, train
