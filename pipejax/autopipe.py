@@ -230,15 +230,22 @@ def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int
   for size in sizes:
     stage_costs.append(float(sum(active[start:start + size])))
     start += size
-  plan = StagePlan(Partition(costs.num_layers, num_frozen_layers, sizes), tuple(stage_costs),
-                   frozen, max(c + (offset if i == 0 else 0.0)
-                               for i, c in enumerate(stage_costs)))
+  plan = _stage_plan(Partition(costs.num_layers, num_frozen_layers, sizes), stage_costs,
+                     frozen, offset)
   if costs.can_split and pipeline_length > 1:
     split = _split_partition(costs, num_frozen_layers, pipeline_length, offset)
     if split is not None and (split.memory_proxy
                               <= (1.0 - costs.split_mlp_min_gain) * plan.memory_proxy):
       return split
   return plan
+
+
+def _stage_plan(partition: Partition, stage_costs, frozen: float, offset: float) -> StagePlan:
+  """A :class:`StagePlan`, its memory proxy (Eq. 2) charging ``offset``
+  (λ_frozen · S_frozen) to the first stage."""
+  stage_costs = tuple(float(c) for c in stage_costs)
+  return StagePlan(partition, stage_costs, frozen,
+                   max(c + (offset if i == 0 else 0.0) for i, c in enumerate(stage_costs)))
 
 
 def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
@@ -248,9 +255,7 @@ def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: 
   of the optimal ones the one with the fewest splits, then the narrowest. A
   stage holds at least one piece besides a received MLP half. None when no
   split lowers the largest stage."""
-  units = Partition(costs.num_layers, num_frozen_layers,
-                    (2 * (costs.num_layers - num_frozen_layers) + 1
-                     + int(num_frozen_layers == 0),)).active_units
+  units = costs._active_units(num_frozen_layers)  # noqa: SLF001 - its own module
   pieces, owner, second = [], [], []  # cost, unit index, whether an MLP's second half
   for i, u in enumerate(units):
     block = unit_block(u, costs.num_layers)
@@ -316,11 +321,10 @@ def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: 
     sizes.append(len({owner[j] for j in range(a, b) if not second[j]}))
     if b < n and second[b]:
       split.append(s)
-  stage_costs = tuple(float(prefix[b] - prefix[a]) for a, b in zip(starts, ends))
   partition = Partition(costs.num_layers, num_frozen_layers, tuple(sizes),
                         split_mlp=tuple(split), mlp_in_keys=costs.mlp_in_keys)
-  return StagePlan(partition, stage_costs, costs.frozen(num_frozen_layers),
-                   max(c + (offset if i == 0 else 0.0) for i, c in enumerate(stage_costs)))
+  return _stage_plan(partition, (prefix[b] - prefix[a] for a, b in zip(starts, ends)),
+                     costs.frozen(num_frozen_layers), offset)
 
 
 def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,

@@ -176,10 +176,11 @@ def unit_block(unit: int, num_layers: int) -> int | None:
 
 def _slot_tables(partition: Partition) -> SlotTables:
   per_stage = []
-  for s, units in enumerate(partition.stage_units()):
+  stage_units = partition.stage_units()
+  for s, units in enumerate(stage_units):
     slots: list[list] = []  # [layer, has_attention, has_mlp_in, has_mlp_out]
     if s - 1 in partition.split_mlp:  # the second half of the previous stage's MLP
-      slots.append([unit_block(partition.stage_units()[s - 1][-1], partition.num_layers),
+      slots.append([unit_block(stage_units[s - 1][-1], partition.num_layers),
                     False, False, True])
     for u in units:
       layer = unit_block(u, partition.num_layers)
@@ -224,8 +225,8 @@ def to_stage_params(params: Params, partition: Partition) -> Params:
     return jnp.where(m, taken, jnp.zeros((), taken.dtype))
 
   out = {'attention': jax.tree.map(lambda x: gather(x, t.has_attention), params['attention']),
-         'mlp': _map_mlp_halves(partition, params['mlp'], lambda tree, half: jax.tree.map(
-             lambda x: gather(x, half), tree), t.has_mlp_in, t.has_mlp_out),
+         'mlp': _map_mlp_halves(partition, (params['mlp'],), lambda trees, half: jax.tree.map(
+             lambda x: gather(x, half), *trees), t.has_mlp_in, t.has_mlp_out),
          'head': params['head']}
   if partition.has_embed:
     out['embed'] = params['embed']
@@ -268,25 +269,20 @@ def from_stage_params(stage_params: Params, partition: Partition, frozen: Params
   }
 
 
-def _map_mlp_halves(partition: Partition, trees, fn, first, second):
-  """``fn(part, half)`` for the MLP parameters of each half: ``first`` for the
-  keys of :attr:`Partition.mlp_in_keys`, ``second`` for the others; ``trees``
-  is an MLP tree or a tuple of them (mapped together). Without a split MLP
-  the halves are on the same stages: ``fn(trees, first)`` for the whole tree."""
+def _map_mlp_halves(partition: Partition, trees: tuple, fn, first, second):
+  """``fn(parts, half)`` for the MLP parameters of each half, ``parts`` the
+  same keys of every tree in ``trees`` (MLP trees mapped together): ``first``
+  for the keys of :attr:`Partition.mlp_in_keys`, ``second`` for the others.
+  Without a split MLP the halves are on the same stages: ``fn(trees, first)``."""
   if not partition.split_mlp:
     return fn(trees, first)
-  group = trees if isinstance(trees, tuple) else (trees,)
-  keys = group[-1].keys()
+  keys = trees[-1].keys()
   unknown = set(partition.mlp_in_keys) - set(keys)
   if unknown:
     raise PartitionError(f'mlp_in_keys {sorted(unknown)} are not MLP parameters (it has '
                          f'{sorted(keys)})')
-  out = {}
-  for k in keys:
-    sub = tuple(t[k] for t in group)
-    out[k] = fn(sub if isinstance(trees, tuple) else sub[0],
-                first if k in partition.mlp_in_keys else second)
-  return out
+  return {k: fn(tuple(t[k] for t in trees), first if k in partition.mlp_in_keys else second)
+          for k in keys}
 
 
 def frozen_prefix(params: Params, num_frozen_layers: int) -> Params:
