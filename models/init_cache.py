@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 import zipfile
 from typing import Any, Callable
 
@@ -63,10 +62,8 @@ def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
   try:
     os.makedirs(directory, exist_ok=True)
     flat = traverse_util.flatten_dict(params)
-    tmp = f'{path}.{uuid.uuid4().hex}.tmp'
-    with open(tmp, 'wb') as f:
-      np.savez(f, **{_SEPARATOR.join(k): np.asarray(v) for k, v in flat.items()})
-    os.replace(tmp, path)  # readers see a whole entry or none
+    arrays = {_SEPARATOR.join(k): np.asarray(v) for k, v in flat.items()}
+    diskcache.write_atomic(path, lambda f: np.savez(f, **arrays), binary=True, sync=False)
     diskcache.trim(directory, '.npz', max_bytes)
   except OSError as e:
     log(f'initialisation cache {directory} is unusable ({e}); initialising every run')

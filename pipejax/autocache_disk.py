@@ -35,6 +35,8 @@ from typing import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from pipejax import diskcache
+
 FORMAT = 'pipejax-autocache-1'
 MANIFEST, ENTRIES, PROBE = 'autocache.json', 'entries.bin', 'probe.bin'
 MAGIC = b'PJAC'
@@ -144,10 +146,8 @@ class DiskTier:
       self.open()
       if os.fstat(self.fd).st_size > self.slots * self.record_bytes:
         os.ftruncate(self.fd, self.slots * self.record_bytes)  # a smaller budget than last time
-      tmp = manifest_path + '.tmp'
-      with open(tmp, 'w') as f:
-        json.dump(dict(expected, record_bytes=self.record_bytes, slots=self.slots), f)
-      os.replace(tmp, manifest_path)
+      manifest = dict(expected, record_bytes=self.record_bytes, slots=self.slots)
+      diskcache.write_atomic(manifest_path, lambda f: json.dump(manifest, f))
     except OSError as e:
       raise CacheMismatchError(f'cannot use the cache directory {directory}: '
                                f'{e.strerror or e} ({e.filename})') from e

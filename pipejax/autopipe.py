@@ -49,7 +49,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -439,12 +438,7 @@ class MicroBatchProfile:
           if not isinstance(data.get(ABOUT), dict):
             data[ABOUT] = {}
           data[ABOUT][self.key] = self.about
-        tmp = f'{self.path}.{os.getpid()}.{threading.get_ident()}.tmp'
-        with open(tmp, 'w') as f:
-          json.dump(data, f, indent=1)
-          f.flush()
-          os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        diskcache.write_atomic(self.path, lambda f: json.dump(data, f, indent=1))
     except (OSError, ValueError) as e:
       warnings.warn(f'cannot write the micro-batch profile {self.path}: {e}; '
                     f'keeping it for this run only')

@@ -1,14 +1,43 @@
 """Housekeeping shared by the on-disk caches (the program store, the
-initialisation cache) and the run's files: the library versions in their
-keys, least-recently-used trimming, quiet touching and removal, the name a
-damaged file is set aside under."""
+initialisation cache) and the run's files: writing a file whole or not at
+all, the library versions in their keys, least-recently-used trimming, quiet
+touching and removal, the name a damaged file is set aside under."""
 from __future__ import annotations
 
 import importlib.metadata
 import os
 import time
+import uuid
+from typing import IO, Callable
 
 STALE_TMP_SECONDS = 3600  # a writer's temporary file older than this was left by a killed process
+
+
+def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False,
+                 sync: bool = True) -> None:
+  """Writes ``path`` whole or not at all: ``write(f)`` fills a temporary file
+  of this writer's own beside it (``*.tmp``, which :func:`trim` also clears
+  when a killed writer left it), which then replaces ``path`` in one rename.
+  Readers see the old file or the new one, never a part; concurrent writers
+  never share a temporary file. ``sync`` flushes the data to disk before the
+  rename, so that a crash of the machine cannot leave an empty file either
+  (the caches, which are rebuilt when lost, skip it).
+
+  Raises:
+    Whatever ``write`` or the file system raises; the temporary file is
+    removed first and ``path`` is left as it was.
+  """
+  tmp = f'{path}.{uuid.uuid4().hex}.tmp'
+  try:
+    with open(tmp, 'wb' if binary else 'w') as f:
+      write(f)
+      if sync:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    remove(tmp)
+    raise
 
 
 def versions(libraries: tuple[str, ...]) -> dict[str, str]:

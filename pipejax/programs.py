@@ -353,13 +353,9 @@ class ProgramStore:
              consequence: str = 'it is traced again next time') -> bool:
     """Writes ``entry`` to ``path`` whole or not at all; False (with one line)
     when it cannot."""
-    tmp = f'{path}.{uuid.uuid4().hex}.tmp'
     try:
-      with open(tmp, 'wb') as f:
-        f.write(entry)
-      os.replace(tmp, path)
+      diskcache.write_atomic(path, lambda f: f.write(entry), binary=True, sync=False)
     except OSError as e:
-      diskcache.remove(tmp)
       self.log(f'program store: cannot write {path} ({e}); {consequence}')
       return False
     return True

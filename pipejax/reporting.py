@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 
+from pipejax import diskcache
+
 
 class MetricsLog:
   """Appends one JSON row per epoch to ``metrics.jsonl``, flushed and
@@ -106,20 +108,13 @@ def _torn(path: str) -> bool:
 
 def _rewrite(path: str, rows: list[dict[str, Any]]) -> None:
   """Writes ``rows`` as ``path``, atomically."""
-  with open(path + '.tmp', 'w') as f:
-    f.writelines(json.dumps(r) + '\n' for r in rows)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(path + '.tmp', path)
+  diskcache.write_atomic(path, lambda f: f.writelines(json.dumps(r) + '\n' for r in rows))
 
 
 def write_summary(workdir: str, summary: dict[str, Any]) -> str:
   """Writes ``summary.json`` atomically and returns its path."""
   path = os.path.join(workdir, 'summary.json')
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    json.dump(summary, f, indent=2, default=str)
-  os.replace(tmp, path)
+  diskcache.write_atomic(path, lambda f: json.dump(summary, f, indent=2, default=str))
   return path
 
 

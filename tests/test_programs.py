@@ -418,3 +418,25 @@ def test_an_elastic_run_from_stored_programs_trains_bit_for_bit(tmp_path):
   for got in (traced, loaded):
     assert got[0] == want[0] and got[1] == want[1]
     assert got[2] == want[2]
+
+
+@pytest.mark.parametrize('sync', [True, False])
+def test_write_atomic_replaces_whole_or_leaves_the_old_file(tmp_path, sync):
+  """The one writer every run file and cache entry goes through: a write
+  that fails part-way leaves the old file and no temporary one."""
+  from pipejax import diskcache
+  path = str(tmp_path / 'state.json')
+  diskcache.write_atomic(path, lambda f: f.write('old'), sync=sync)
+  assert open(path).read() == 'old'
+
+  def fails(f):
+    f.write('half of the new')
+    raise OSError(28, 'No space left on device')
+
+  with pytest.raises(OSError, match='No space'):
+    diskcache.write_atomic(path, fails, sync=sync)
+  assert open(path).read() == 'old'
+  assert sorted(os.listdir(tmp_path)) == ['state.json']
+  diskcache.write_atomic(path, lambda f: f.write(b'\x00new'), binary=True, sync=sync)
+  assert open(path, 'rb').read() == b'\x00new'
+  assert sorted(os.listdir(tmp_path)) == ['state.json']
