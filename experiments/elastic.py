@@ -475,9 +475,7 @@ def run(config, workdir: str | None, task: str,
     workdir = _fresh_workdir(task)
   _check_workdir(workdir, config.checkpoint.enabled)
   ident = resume.identity(config, model.hf_config.to_dict())
-  if not config.resume:
-    _start_over(workdir)
-  elif os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
+  if config.resume and os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '
                       f'it; use --config.resume=False to start over, or another --workdir')
   largest = config.train.batch_size * (len(devices) if config.train.batch_mode == 'per_pipeline'
@@ -489,8 +487,11 @@ def run(config, workdir: str | None, task: str,
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
   meta_base = {'identity': ident, 'fingerprint': resume.fingerprint(ident), 'model': model.name}
   # From here on the checkpoint manager (and its threads) is closed on every exit.
+  # Starting over opens it only once the old run is removed, which waits until
+  # everything that can refuse this run's config has run: the trainer builds
+  # the plan, its loaders and its cache.
   ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
-      config.checkpoint.enabled) else None
+      config.checkpoint.enabled and config.resume) else None
 
   def save(portable, meta, wait):
     if ckpt is None:
@@ -510,7 +511,11 @@ def run(config, workdir: str | None, task: str,
                       program_store=runtime.program_store_dir())
     if latest is not None:
       trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
-    if config.resume:
+    if not config.resume:
+      _start_over(workdir)
+      ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
+          config.checkpoint.enabled) else None
+    else:
       _resume(workdir, trainer, ckpt, ident)
       done = os.path.join(workdir, 'summary.json')
       if trainer.epochs_done >= config.train.epochs and os.path.exists(done):

@@ -333,6 +333,25 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
   with open(os.path.join(workdir, 'summary.json')) as f:
     assert f.read() == summary
+  # Starting over with a config that is refused only once the plan is built
+  # (M = 3 divides no batch of 32) removes nothing: the old run stays whole.
+  def contents():
+    out = {}
+    for root, _, files in os.walk(workdir):
+      for name in files:
+        with open(os.path.join(root, name), 'rb') as f:
+          out[os.path.relpath(os.path.join(root, name), workdir)] = f.read()
+    return out
+  kept = contents()
+  assert any(name.startswith('checkpoints') for name in kept)
+  bad = config()
+  with bad.unlocked():
+    bad.resume, bad.pipeline.micro_batches = False, 3
+  capsys.readouterr()
+  assert elastic.main(bad, workdir, task='vit') == 2
+  err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
+  assert len(err) == 1 and 'not divisible' in err[0], err
+  assert contents() == kept
   again = config()
   with again.unlocked():
     again.resume, again.train.epochs = False, 1
