@@ -23,8 +23,12 @@ program is keyed by
 * every argument's tree structure, shape, dtype and sharding (mesh axes,
   device ids, partition spec).
 
-An entry that cannot be read back (truncated, corrupt, written by another
-build) is reported in one line, removed and traced afresh, never used.
+Every file the store writes is sealed: a header and a CRC-32 of the rest,
+checked before anything in it is read, so that a damaged file is never
+deserialised (a flipped bit in an exported module can crash XLA or, worse,
+still verify as another program). An entry that cannot be read back
+(truncated, damaged, written by another build) is reported in one line,
+removed and traced afresh, never used.
 With several processes the store is off.
 
 Beside a program the store keeps its compiled XLA executable
@@ -43,8 +47,8 @@ configuration whose programs did not change); when there is none (it was
 trimmed or lost), the program is compiled once more under a module name used
 once (JAX's cache key begins with it), so that XLA compiles it. Where JAX's
 events are not as expected only the program is kept (counted as
-``executables_not_kept``). An executable that cannot be loaded (damaged: it
-carries a checksum) is reported, removed, and the program is compiled from
+``executables_not_kept``). An executable that cannot be loaded (damaged, or
+not for this machine) is reported, removed, and the program is compiled from
 its stored form instead.
 
 On the CPU, XLA hands dots and elementwise chains to the YNNPACK library
@@ -90,12 +94,33 @@ EXECUTABLE_SUFFIX = '.xla'  # an executable, named by what XLA compiled
 POINTER_SUFFIX = '.ref'  # an entry's executable on this machine: its name
 # The layout of an executable's file, part of its name: a file written by an
 # earlier layout is never pointed to (it would be found unusable at every load).
-EXECUTABLE_FORMAT = 2
+EXECUTABLE_FORMAT = 3
+# The header of every sealed file (program or executable), then a CRC-32 of the rest.
+_SEAL = b'pipejax-store-1\n'
 # JAX's events around a compile that may read its persistent cache: a request
 # to it, and a hit (both recorded in the compiling thread).
 _CACHE_REQUEST_EVENT = '/jax/compilation_cache/compile_requests_use_cache'
 _CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'
 
+
+def seal(body: bytes) -> bytes:
+  """``body`` with the store's header and its CRC-32 in front."""
+  return _SEAL + zlib.crc32(body).to_bytes(4, 'little') + body
+
+
+def unseal(data: bytes) -> bytes:
+  """The body of a sealed file, checked first.
+
+  Raises:
+    ValueError: not a sealed file, or damaged (a checksum mismatch).
+  """
+  head = len(_SEAL) + 4
+  if len(data) < head or not data.startswith(_SEAL):
+    raise ValueError('not a program-store file of this version')
+  body = data[head:]
+  if zlib.crc32(body) != int.from_bytes(data[len(_SEAL):head], 'little'):
+    raise ValueError('damaged: checksum mismatch')
+  return body
 
 @functools.lru_cache(maxsize=None)
 def code_fingerprint() -> str:
@@ -240,9 +265,7 @@ class ProgramStore:
     except OSError:  # none kept (or trimmed): compiled from the program
       return None
     try:
-      checksum, payload, in_tree, out_tree, device_ids = pickle.loads(data)
-      if zlib.crc32(payload) != checksum:  # machine code: never run a damaged one
-        raise ValueError('checksum mismatch')
+      payload, in_tree, out_tree, device_ids = pickle.loads(unseal(data))
       by_id = {d.id: d for d in jax.devices()}
       # The executable's own devices, in its order: XLA aborts the process
       # (not an exception) when they do not match its shardings.
@@ -275,7 +298,7 @@ class ProgramStore:
       except Exception:  # noqa: BLE001 - e.g. a program with constants: not serialisable
         self._count('executables_not_kept')
         return
-      data = pickle.dumps((zlib.crc32(payload), payload, in_tree, out_tree, device_ids))
+      data = seal(pickle.dumps((payload, in_tree, out_tree, device_ids)))
       if not self._write(executable, data, consequence):
         return
     elif not os.path.exists(executable):  # read from JAX's cache, and no entry kept it
@@ -305,7 +328,7 @@ class ProgramStore:
     shardings (device ids) and this machine. Entries whose traces differ
     only in where they ran (locations) share it: JAX's cache answers one
     after the other compiled it, and the first one's executable serves both."""
-    blob, out_tree, out_shardings = pickle.loads(entry)
+    blob, out_tree, out_shardings = pickle.loads(unseal(entry))
     exported = jax_export.deserialize(bytearray(blob))
 
     def call(*call_args):
@@ -343,7 +366,7 @@ class ProgramStore:
       out_tree = jax.tree.structure(out_info)
       out_shardings = [_describe(o.sharding) for o in jax.tree.leaves(out_info)]
       exported = jax_export.export(jax.jit(flat))(*jax.tree.leaves(args))
-      return pickle.dumps((bytes(exported.serialize()), out_tree, out_shardings))
+      return seal(pickle.dumps((bytes(exported.serialize()), out_tree, out_shardings)))
     except Exception as e:  # noqa: BLE001 - not storable: traced again next time
       self.log(f'program store: cannot keep {os.path.basename(path)} '
                f'({type(e).__name__}: {str(e)[:160]}); it is traced again next time')
