@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from typing import Callable
@@ -21,8 +22,8 @@ from tqdm import tqdm
 
 import models
 from experiments import datasets, text_data, text_eval
-from pipejax import (autopipe, checkpoints, distributed, freeze, frozen_prefix, pipeline,
-                     reporting, resume, runtime, schedule)
+from pipejax import (autopipe, checkpoints, diskcache, distributed, freeze, frozen_prefix,
+                     pipeline, reporting, resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import Loader, ShardedLoader
 from pipejax.partition import PartitionError
@@ -51,6 +52,8 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f'train.epochs must be >= 1, got {c.train.epochs}')
   if c.train.batch_size < 1:
     raise ConfigError(f'train.batch_size must be >= 1, got {c.train.batch_size}')
+  if not 0 <= c.seed < 2 ** 32:  # numpy's and the data split's range
+    raise ConfigError(f'seed must be in [0, 2**32), got {c.seed}')
   if c.train.batch_mode not in ('constant', 'per_pipeline'):
     raise ConfigError(f"train.batch_mode must be 'constant' or 'per_pipeline', got "
                       f'{c.train.batch_mode!r}')
@@ -257,6 +260,8 @@ def _check_custom_model(m) -> None:
   if m.hidden_size % m.num_heads:
     raise ConfigError(f'model.hidden_size={m.hidden_size} must be a multiple of '
                       f'model.num_heads={m.num_heads}')
+  if not 0 <= m.dropout < 1:  # also refuses NaN
+    raise ConfigError(f'model.dropout must be in [0, 1), got {m.dropout}')
 
 
 def check_tokenizer_fits(config) -> None:
@@ -361,6 +366,14 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
     raise ConfigError(f"model.preset must be 'auto', 'custom' or one of {vits}, got {preset!r}")
   overrides.update(image_size=data.image_size, num_channels=data.channels,
                    num_labels=data.num_classes)
+  patch = overrides.get('patch_size', models.config_for('vit').patch_size)
+  if not 1 <= patch <= data.image_size or data.image_size % patch:
+    # HF would cut the image's last rows and columns, or see no patch at all.
+    source = 'model.patch_size' if preset == 'custom' else f'model.preset={preset}'
+    raise ConfigError(f'the patch size {patch} ({source}) must divide the {data.image_size}x'
+                      f'{data.image_size} images of {data.name}' + (
+                          '' if preset == 'custom' else
+                          '; use model.preset=custom with a model.patch_size that does'))
   return models.create('vit', models.config_for('vit', **overrides), seed=config.seed,
                        init_cache=runtime.init_cache_dir(), log=_log)
 
@@ -388,6 +401,28 @@ def _start_over(workdir: str) -> None:
       os.remove(os.path.join(workdir, name))
   checkpoints.clear(workdir)
   _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
+
+
+def _finished_summary(path: str) -> dict | None:
+  """A finished run's ``summary.json``; None, with the file set aside and one
+  line, when it cannot be read (the run then writes it again from its
+  checkpoint and metrics rows)."""
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+    if not isinstance(summary, dict):
+      raise ValueError('not a JSON object')
+    return summary
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    why = f'{type(e).__name__}: {str(e)[:120]}'
+    if jax.process_count() > 1:  # every process reads it: none may move it under the others
+      raise ConfigError(f'{path} is unreadable ({why}); move it away and run again (the run '
+                        f'writes it again from its checkpoint and metrics)') from e
+    aside = diskcache.aside_name(path)
+    os.replace(path, aside)
+    _log(f'{path} is unreadable ({why}); set aside as {aside}, written again from the run\'s '
+         f'checkpoint and metrics')
+    return None
 
 
 def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
@@ -518,13 +553,19 @@ def run(config, workdir: str | None, task: str,
     else:
       _resume(workdir, trainer, ckpt, ident)
       done = os.path.join(workdir, 'summary.json')
-      if trainer.epochs_done >= config.train.epochs and os.path.exists(done):
+      finished = _finished_summary(done) if (
+          trainer.epochs_done >= config.train.epochs and os.path.exists(done)) else None
+      if finished is not None:
         _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
              f'train, its outputs are kept (--config.train.epochs=N trains on to epoch N, '
              f'--config.resume=False starts over)')
         trainer.close()
-        with open(done) as f:
-          return json.load(f)
+        return finished
+      if trainer.epochs_done > config.train.epochs:
+        raise ConfigError(f'{workdir} holds a run {trainer.epochs_done} epochs in, past '
+                          f'train.epochs={config.train.epochs}: use --config.train.epochs='
+                          f'{trainer.epochs_done} or more to go on, or --config.resume=False '
+                          f'to start over')
     result = trainer.run(config.train.epochs, _progress, save=save,
                          stop_requested=distributed.agreed_stop(stop_requested),
                          save_every_steps=config.checkpoint.every_steps)
@@ -718,12 +759,16 @@ def _absent_keys(keys: list[str], argv: list[str], config_file: str) -> list[str
 def _command_line_error(error: Exception, argv: list[str], config_file: str) -> str:
   """One line for a command line that absl or ml_collections refused:
   an unknown config key by its full name (they name only its last part)."""
+  if error.args and isinstance(error.args[0], KeyError):  # a key below the top, wrapped
+    error = error.args[0]
   lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
   if isinstance(error, SyntaxError):
     return f'cannot load the --config file: {type(error).__name__}: {lines[0]}'
   if any('config file' in line or 'earlier failure to load' in line for line in lines):
     why = lines[-1].split('earlier failure to load: ')[-1]  # the last line says why
     return f'cannot load the --config file: {why}'
+  if isinstance(error, KeyError) and error.args:  # its str() is the repr of its message
+    lines = [line.strip() for line in str(error.args[0]).splitlines() if line.strip()] or lines
   detail = lines[0] if lines else type(error).__name__
   if 'before a value for --config was specified' in detail:
     return f'bad command line: {detail}; put --config FILE before the --config.KEY overrides'
@@ -733,6 +778,14 @@ def _command_line_error(error: Exception, argv: list[str], config_file: str) -> 
             if a.startswith('--config.')]
     named = _absent_keys([k for k in keys if name in k.split('.')], argv, config_file)
     if named:
+      # ml_collections suggests a near name for the key's last part it could not find.
+      near = next((re.match(r'Did you mean "([^"]+)"', line) for line in lines[1:]
+                   if line.startswith('Did you mean')), None)
+      parts = named[0].split('.')
+      if near and name in parts:
+        parts[parts.index(name)] = near.group(1)
+        return (f'unknown config key {named[0]!r} (did you mean {".".join(parts)!r}? '
+                f'--help lists the keys)')
       return f'unknown config key {named[0]!r} (--help lists the keys)'
   return (f'bad command line: {detail} (a config key that does not exist, or a value of the '
           f'wrong type; --help lists the keys)')

@@ -333,6 +333,30 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
   with open(os.path.join(workdir, 'summary.json')) as f:
     assert f.read() == summary
+  # A damaged summary of a finished run is set aside and written again from
+  # its checkpoint and metrics rows; nothing is trained.
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    f.write('{"mode": "elastic", "final_ev')
+  assert elastic.main(config(), workdir, task='vit') == 0
+  assert 'summary.json is unreadable (JSONDecodeError' in capsys.readouterr().out
+  with open(os.path.join(workdir, 'summary.json.corrupt')) as f:
+    assert f.read() == '{"mode": "elastic", "final_ev'
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    again = json.load(f)
+  assert again['final_eval_accuracy'] == json.loads(summary)['final_eval_accuracy']
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  # An unfinished run (no summary) already past a lowered train.epochs: one
+  # line, nothing trained or written.
+  os.rename(os.path.join(workdir, 'summary.json'), os.path.join(workdir, 'kept.json'))
+  fewer = config()
+  with fewer.unlocked():
+    fewer.train.epochs = 1
+  assert elastic.main(fewer, workdir, task='vit') == 2
+  err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
+  assert len(err) == 1 and 'holds a run 2 epochs in, past train.epochs=1' in err[0], err
+  assert not os.path.exists(os.path.join(workdir, 'summary.json'))
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  os.rename(os.path.join(workdir, 'kept.json'), os.path.join(workdir, 'summary.json'))
   # Starting over with a config that is refused only once the plan is built
   # (M = 3 divides no batch of 32) removes nothing: the old run stays whole.
   def contents():

@@ -199,6 +199,14 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
      'train.batch_size=6 must be a multiple of pipeline.initial_length=4 with '
      'train.batch_mode=per_pipeline'),
     (['--config.checkpoint.keep=-1'], 'checkpoint.keep must be >= 1, got -1'),
+    (['--config.seed=-1'], 'seed must be in [0, 2**32), got -1'),
+    (['--config.model.dropout=2'], 'model.dropout must be in [0, 1), got 2'),
+    (['--config.model.patch_size=3'], 'the patch size 3 (model.patch_size) must divide the '
+                                      '8x8 images of digits'),
+    (['--config.model.preset=vit-b16'], 'the patch size 16 (model.preset=vit-b16) must divide '
+                                        'the 8x8 images of digits; use model.preset=custom'),
+    (['--config.train.epochz=3'], "unknown config key 'train.epochz' (did you mean "
+                                  "'train.epochs'?"),
     (['--config.train.epochs=1', '--config.train.warmup_epochs=2'],
      'train.warmup_epochs=2.0 must be >= 0 and below train.epochs=1'),
     (['--workdir={tmp}/afile/run'], 'cannot use --workdir={tmp}/afile/run: Not a directory'),
