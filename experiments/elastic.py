@@ -822,6 +822,11 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   if len(rest) > 1:
     print(f'error: unexpected arguments {rest[1:]}', file=sys.stderr)
     return None
+  if flags.FLAGS.workdir is not None and not flags.FLAGS.workdir.strip():
+    # e.g. --workdir=$DIR with DIR unset: never a fresh folder in its place
+    print('error: --workdir is empty (leave it out for a fresh folder under ./runs)',
+          file=sys.stderr)
+    return None
   if require_workdir and not flags.FLAGS.workdir:
     print('error: --workdir=DIR is required', file=sys.stderr)
     return None

@@ -199,6 +199,7 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
      'train.batch_size=6 must be a multiple of pipeline.initial_length=4 with '
      'train.batch_mode=per_pipeline'),
     (['--config.checkpoint.keep=-1'], 'checkpoint.keep must be >= 1, got -1'),
+    (['--workdir='], '--workdir is empty (leave it out for a fresh folder under ./runs)'),
     (['--config.seed=-1'], 'seed must be in [0, 2**32), got -1'),
     (['--config.model.dropout=2'], 'model.dropout must be in [0, 1), got 2'),
     (['--config.model.patch_size=3'], 'the patch size 3 (model.patch_size) must divide the '
