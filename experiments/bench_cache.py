@@ -40,6 +40,8 @@ VARIANTS = {
 def claim_workdir(path: str) -> str | None:
   """Creates the benchmark's ``--workdir``; a one-line error (to print, exit
   2) when it is not a fresh, empty directory or cannot be made."""
+  if not path.strip():  # --workdir=$DIR with DIR unset
+    return 'error: --workdir is empty'
   if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
     return f'error: {path} is not an empty directory; choose a fresh --workdir'
   try:

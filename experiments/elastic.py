@@ -403,10 +403,10 @@ def _start_over(workdir: str) -> None:
   _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
 
 
-def _finished_summary(path: str) -> dict | None:
-  """A finished run's ``summary.json``; None, with the file set aside and one
-  line, when it cannot be read (the run then writes it again from its
-  checkpoint and metrics rows)."""
+def _finished_summary(path: str, repair: bool = True) -> dict | None:
+  """A finished run's ``summary.json``; None when it cannot be read, and then
+  (``repair``) with the file set aside and one line: the run writes it again
+  from its checkpoint and metrics rows."""
   try:
     with open(path) as f:
       summary = json.load(f)
@@ -414,6 +414,8 @@ def _finished_summary(path: str) -> dict | None:
       raise ValueError('not a JSON object')
     return summary
   except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    if not repair:
+      return None
     why = f'{type(e).__name__}: {str(e)[:120]}'
     if jax.process_count() > 1:  # every process reads it: none may move it under the others
       raise ConfigError(f'{path} is unreadable ({why}); move it away and run again (the run '
@@ -509,6 +511,9 @@ def run(config, workdir: str | None, task: str,
   if not workdir:
     workdir = _fresh_workdir(task)
   _check_workdir(workdir, config.checkpoint.enabled)
+  if distributed.is_main_process():  # the one writer of the run's files
+    # left by a killed write of the metrics or the summary; the user's files stay
+    diskcache.remove_stale_tmp(workdir, of=('metrics.jsonl', 'summary.json'))
   ident = resume.identity(config, model.hf_config.to_dict())
   if config.resume and os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '
@@ -544,28 +549,33 @@ def run(config, workdir: str | None, task: str,
     trainer = Trainer(model, created.params, config, workdir, train_loader, eval_loader,
                       devices=devices, log=_log, evaluator=data.evaluator,
                       program_store=runtime.program_store_dir())
-    if latest is not None:
-      trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
-    if not config.resume:
-      _start_over(workdir)
-      ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
-          config.checkpoint.enabled) else None
-    else:
-      _resume(workdir, trainer, ckpt, ident)
-      done = os.path.join(workdir, 'summary.json')
-      finished = _finished_summary(done) if (
-          trainer.epochs_done >= config.train.epochs and os.path.exists(done)) else None
-      if finished is not None:
-        _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
-             f'train, its outputs are kept (--config.train.epochs=N trains on to epoch N, '
-             f'--config.resume=False starts over)')
-        trainer.close()
-        return finished
-      if trainer.epochs_done > config.train.epochs:
-        raise ConfigError(f'{workdir} holds a run {trainer.epochs_done} epochs in, past '
-                          f'train.epochs={config.train.epochs}: use --config.train.epochs='
-                          f'{trainer.epochs_done} or more to go on, or --config.resume=False '
-                          f'to start over')
+    try:  # until trainer.run, which closes it itself
+      if latest is not None:
+        trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
+      if not config.resume:
+        _start_over(workdir)
+        ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
+            config.checkpoint.enabled) else None
+      else:
+        _resume(workdir, trainer, ckpt, ident)
+        done = os.path.join(workdir, 'summary.json')
+        past = trainer.epochs_done > config.train.epochs
+        finished = _finished_summary(done, repair=not past) if (
+            trainer.epochs_done >= config.train.epochs and os.path.exists(done)) else None
+        if finished is not None:
+          _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
+               f'train, its outputs are kept (--config.train.epochs=N trains on to epoch N, '
+               f'--config.resume=False starts over)')
+          trainer.close()
+          return finished
+        if past:
+          raise ConfigError(f'{workdir} holds a run {trainer.epochs_done} epochs in, past '
+                            f'train.epochs={config.train.epochs}: use --config.train.epochs='
+                            f'{trainer.epochs_done} or more to go on, or --config.resume=False '
+                            f'to start over')
+    except BaseException:
+      trainer.close()
+      raise
     result = trainer.run(config.train.epochs, _progress, save=save,
                          stop_requested=distributed.agreed_stop(stop_requested),
                          save_every_steps=config.checkpoint.every_steps)
@@ -782,8 +792,8 @@ def _command_line_error(error: Exception, argv: list[str], config_file: str) -> 
       near = next((re.match(r'Did you mean "([^"]+)"', line) for line in lines[1:]
                    if line.startswith('Did you mean')), None)
       parts = named[0].split('.')
-      if near and name in parts:
-        parts[parts.index(name)] = near.group(1)
+      if near and name in parts:  # the deepest part so named (data.data: the second)
+        parts[len(parts) - 1 - parts[::-1].index(name)] = near.group(1)
         return (f'unknown config key {named[0]!r} (did you mean {".".join(parts)!r}? '
                 f'--help lists the keys)')
       return f'unknown config key {named[0]!r} (--help lists the keys)'
@@ -824,7 +834,8 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     return None
   if flags.FLAGS.workdir is not None and not flags.FLAGS.workdir.strip():
     # e.g. --workdir=$DIR with DIR unset: never a fresh folder in its place
-    print('error: --workdir is empty (leave it out for a fresh folder under ./runs)',
+    print('error: --workdir is empty' + (
+        '' if require_workdir else ' (leave it out for a fresh folder under ./runs)'),
           file=sys.stderr)
     return None
   if require_workdir and not flags.FLAGS.workdir:

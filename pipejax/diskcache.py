@@ -77,9 +77,31 @@ def remove(path: str) -> None:
     pass
 
 
+def remove_stale_tmp(directory: str, of: tuple[str, ...] | None = None) -> None:
+  """Removes the ``*.tmp`` files of :func:`write_atomic` that a killed writer
+  left in ``directory`` (older than :data:`STALE_TMP_SECONDS`: a live
+  writer's file is younger): all of them, or (``of``, for a folder that
+  holds other files too) only those of the files named; quiet if it cannot."""
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return
+  for name in names:
+    if not name.endswith('.tmp') or (of is not None and not name.startswith(
+        tuple(f'{target}.' for target in of))):
+      continue
+    full = os.path.join(directory, name)
+    try:
+      if time.time() - os.stat(full).st_mtime > STALE_TMP_SECONDS:
+        remove(full)
+    except OSError:
+      continue
+
+
 def trim(directory: str, suffix: str | tuple[str, ...], max_bytes: int) -> None:
   """Removes the least recently used ``*suffix`` entries of ``directory``
   beyond ``max_bytes``, and ``*.tmp`` files left by killed writers."""
+  remove_stale_tmp(directory)
   entries = []
   for name in os.listdir(directory):
     full = os.path.join(directory, name)
@@ -87,9 +109,7 @@ def trim(directory: str, suffix: str | tuple[str, ...], max_bytes: int) -> None:
       st = os.stat(full)
     except OSError:
       continue
-    if name.endswith('.tmp') and time.time() - st.st_mtime > STALE_TMP_SECONDS:
-      remove(full)
-    elif name.endswith(suffix):
+    if name.endswith(suffix):
       entries.append((st.st_mtime, st.st_size, full))
   total = sum(size for _, size, _ in entries)
   for _, size, full in sorted(entries):

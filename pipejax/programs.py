@@ -23,7 +23,7 @@ program is keyed by
 * every argument's tree structure, shape, dtype and sharding (mesh axes,
   device ids, partition spec).
 
-Every file the store writes is sealed: a header and a CRC-32 of the rest,
+Every program and executable the store writes is sealed: a header and a CRC-32 of the rest,
 checked before anything in it is read, so that a damaged file is never
 deserialised (a flipped bit in an exported module can crash XLA or, worse,
 still verify as another program). An entry that cannot be read back

@@ -9,6 +9,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -443,3 +444,20 @@ def test_write_atomic_replaces_whole_or_leaves_the_old_file(tmp_path, sync):
   diskcache.write_atomic(path, lambda f: f.write(b'\x00new'), binary=True, sync=sync)
   assert open(path, 'rb').read() == b'\x00new'
   assert sorted(os.listdir(tmp_path)) == ['state.json']
+
+
+def test_stale_temporary_files_of_the_named_files_only_are_removed(tmp_path):
+  """A killed writer's ``*.tmp`` goes once it is stale; a live writer's, and
+  in a user's folder (``of``) every file not of the run's, stay."""
+  from pipejax import diskcache
+  old = time.time() - diskcache.STALE_TMP_SECONDS - 10
+  names = ['metrics.jsonl.ab12.tmp', 'summary.json.cd34.tmp', 'notes.txt.tmp', 'metrics.jsonl']
+  for name in names + ['summary.json.young.tmp']:
+    (tmp_path / name).write_text('x')
+  for name in names:
+    os.utime(tmp_path / name, (old, old))
+  diskcache.remove_stale_tmp(str(tmp_path), of=('metrics.jsonl', 'summary.json'))
+  assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'notes.txt.tmp',
+                                          'summary.json.young.tmp']
+  diskcache.remove_stale_tmp(str(tmp_path))  # a cache's own folder: every stale one
+  assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'summary.json.young.tmp']

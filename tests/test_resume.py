@@ -356,7 +356,15 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert len(err) == 1 and 'holds a run 2 epochs in, past train.epochs=1' in err[0], err
   assert not os.path.exists(os.path.join(workdir, 'summary.json'))
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
-  os.rename(os.path.join(workdir, 'kept.json'), os.path.join(workdir, 'summary.json'))
+  # The same with a damaged summary: refused as well, the file left as it is.
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    f.write('{"mode"')
+  assert elastic.main(fewer, workdir, task='vit') == 2
+  assert 'past train.epochs=1' in capsys.readouterr().err
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    assert f.read() == '{"mode"'
+  assert not os.path.exists(os.path.join(workdir, 'summary.json.corrupt.2'))
+  os.replace(os.path.join(workdir, 'kept.json'), os.path.join(workdir, 'summary.json'))
   # Starting over with a config that is refused only once the plan is built
   # (M = 3 divides no batch of 32) removes nothing: the old run stays whole.
   def contents():
