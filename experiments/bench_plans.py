@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import elastic, vit_imagenet  # noqa: E402
-from pipejax import freeze  # noqa: E402
+from pipejax import diskcache, freeze  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
 
@@ -48,10 +48,19 @@ def main(argv=None) -> int:
   if parsed is None:
     return 2
   config, workdir = parsed
+  try:
+    return _bench(config, workdir)
+  except (elastic.KNOWN_ERRORS + (OSError,)) as e:  # bad input, the machine's files: one line
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+
+
+def _bench(config, workdir: str) -> int:
   with config.unlocked():
     config.checkpoint.enabled = False
     config.cache.enabled = False
-  os.makedirs(workdir, exist_ok=True)
+  elastic.check_config(config, len(jax.devices()))
+  elastic.check_workdir(workdir, checkpoints_enabled=False)
   data = elastic.resolve_data(config)
   created = elastic.resolve_model(config, data)
   model = created.model
@@ -128,11 +137,11 @@ def main(argv=None) -> int:
           f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14}')
   print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
         f'({predicted_padded:.3f} with freeze.keep_slot_width; FLOP limit {limit:.3f})')
-  with open(os.path.join(workdir, 'bench_plans.json'), 'w') as f:
-    json.dump({'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
-               'predicted_train_ratio': predicted,
-               'predicted_train_ratio_keep_slot_width': predicted_padded,
-               'flop_limit_ratio': limit}, f, indent=2)
+  out = {'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
+         'predicted_train_ratio': predicted,
+         'predicted_train_ratio_keep_slot_width': predicted_padded, 'flop_limit_ratio': limit}
+  diskcache.write_atomic(os.path.join(workdir, 'bench_plans.json'),
+                         lambda f: json.dump(out, f, indent=2))
   print(f'wrote {workdir}/bench_plans.json')
   return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ from experiments import datasets, text_data, text_eval
 from pipejax import (autopipe, checkpoints, diskcache, distributed, freeze, frozen_prefix,
                      pipeline, reporting, resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
-from pipejax.data import Loader, ShardedLoader
+from pipejax.data import DataReadError, Loader, ShardedLoader
 from pipejax.partition import PartitionError
 from pipejax.trainer import PROFILE_ROUNDS, LossNotFinite, Trainer, TrainingInterrupted
 
@@ -117,8 +118,8 @@ def check_config(config, num_devices_available: int) -> None:
   if c.cache.dtype not in ('float32', 'bfloat16', 'float16'):
     raise ConfigError(f"cache.dtype must be 'float32', 'bfloat16' or 'float16', got "
                       f'{c.cache.dtype!r}')
-  if c.cache.memory_mb < 0 or c.cache.disk_mb < 0:
-    raise ConfigError(f'cache.memory_mb and cache.disk_mb must be >= 0, got '
+  if not all(0 <= mb < math.inf for mb in (c.cache.memory_mb, c.cache.disk_mb)):  # NaN too
+    raise ConfigError(f'cache.memory_mb and cache.disk_mb must be finite and >= 0, got '
                       f'{c.cache.memory_mb} and {c.cache.disk_mb}')
   if c.cache.on_mismatch not in ('refuse', 'clear'):
     raise ConfigError(f"cache.on_mismatch must be 'refuse' or 'clear', got "
@@ -209,7 +210,7 @@ def resolve_data(config, task: str = 'vit'):
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
-def _check_workdir(workdir: str, checkpoints_enabled: bool) -> None:
+def check_workdir(workdir: str, checkpoints_enabled: bool) -> None:
   """Creates ``workdir`` if needed; the paths of the outputs it will write
   must be free or of the right kind (before training, not at the first save)."""
   try:
@@ -266,16 +267,22 @@ def _check_custom_model(m) -> None:
 
 def check_tokenizer_fits(config) -> None:
   """Refuses, before any data is tokenized, a tokenizer with more tokens than
-  the pretrained model embeds (the embedding's gather gives NaN for the rest):
-  reads the model's config only, not its weights."""
+  the pretrained model embeds (the embedding's gather gives NaN for the rest)
+  and a ``data.max_seq_length`` beyond its position embeddings: reads the
+  model's config only, not its weights."""
   m = config.model
   if not m.pretrained:
     return  # a preset is sized to its tokenizer
   from transformers import AutoConfig  # noqa: PLC0415
   try:
-    vocab = AutoConfig.from_pretrained(m.pretrained).vocab_size
+    hf = AutoConfig.from_pretrained(m.pretrained)
+    vocab, positions = hf.vocab_size, int(hf.max_position_embeddings)
   except Exception:  # noqa: BLE001 - loading the model says what is wrong, in one line
     return
+  if config.data.max_seq_length > positions:  # before a whole data set is tokenized that long
+    raise ConfigError(f'data.max_seq_length={config.data.max_seq_length} exceeds the model\'s '
+                      f'{positions} position embeddings (model.pretrained={m.pretrained}; '
+                      f'checked before the data is tokenized)')
   words = len(text_data.load_tokenizer(_tokenizer_path(config)))
   if words > vocab:
     raise ConfigError(f'the tokenizer of {_tokenizer_path(config)!r} has {words} tokens, the '
@@ -510,7 +517,7 @@ def run(config, workdir: str | None, task: str,
                       f'{model.num_layers} layers')
   if not workdir:
     workdir = _fresh_workdir(task)
-  _check_workdir(workdir, config.checkpoint.enabled)
+  check_workdir(workdir, config.checkpoint.enabled)
   if distributed.is_main_process():  # the one writer of the run's files
     # left by a killed write of the metrics or the summary; the user's files stay
     diskcache.remove_stale_tmp(workdir, of=('metrics.jsonl', 'summary.json'))
@@ -668,7 +675,7 @@ def _describe(model) -> str:
 
 
 KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.DatasetMissing,
-                reporting.MetricsError,
+                DataReadError, reporting.MetricsError,
                 freeze.FreezeConfigError, pipeline.PlanError, PartitionError,
                 schedule.ScheduleError, text_data.TextConfigError, checkpoints.CheckpointError,
                 resume.CheckpointMismatch, distributed.DistributedError)

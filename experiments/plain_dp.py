@@ -39,7 +39,8 @@ def run(config, workdir: str) -> dict:
   devices = jax.devices()[:config.pipeline.devices]
   data = elastic.resolve_data(config, 'vit')
   created = elastic.resolve_model(config, data, 'vit')
-  os.makedirs(workdir, exist_ok=True)
+  # A folder whose outputs' paths are free (before training, not after it).
+  elastic.check_workdir(workdir, checkpoints_enabled=False)
   if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
     raise elastic.ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another '
                               f'--workdir')
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
   config, workdir = parsed
   try:
     run(config, workdir)
-  except elastic.KNOWN_ERRORS as e:
+  except (elastic.KNOWN_ERRORS + (OSError,)) as e:  # OSError: the machine's files, a full disk
     print(f'error: {e}', file=sys.stderr)
     return 2
   return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -91,6 +92,11 @@ def load_tokenizer(path: str):
                           'dir or HF cache name> (weights and tokenizer), or '
                           '--config.model.tokenizer=<dir> for a randomly initialised preset')
   from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import kept local
+  if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in (
+      'tokenizer.json', 'vocab.txt', 'tokenizer_config.json')):
+    # transformers would fail with "'NoneType' object has no attribute 'endswith'"
+    raise TextConfigError(f'{path!r} holds no tokenizer (tokenizer.json or vocab.txt); '
+                          f'--config.model.tokenizer=<dir> names a folder that does')
   try:
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
   except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions too
@@ -123,19 +129,25 @@ def _text(value) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
 
 
-def _examples(source, chunk: int = 4096) -> list[dict]:
-  """Every example of a data source, read in chunks (random access)."""
+def _examples(source, name: str, chunk: int = 4096) -> list[dict]:
+  """Every example of a data source, read in chunks (random access);
+  :class:`DatasetMissing` (one line) when its files cannot be read."""
   out = []
   batched = hasattr(source, '__getitems__')
-  for start in range(0, len(source), chunk):
-    ids = list(range(start, min(start + chunk, len(source))))
-    if batched:
-      try:
-        out.extend(source.__getitems__(ids))
-        continue
-      except TypeError:  # tfds.testing.mock_data's sources read one record at a time
-        batched = False
-    out.extend(source[i] for i in ids)
+  try:
+    for start in range(0, len(source), chunk):
+      ids = list(range(start, min(start + chunk, len(source))))
+      if batched:
+        try:
+          out.extend(source.__getitems__(ids))
+          continue
+        except TypeError:  # tfds.testing.mock_data's sources read one record at a time
+          batched = False
+      out.extend(source[i] for i in ids)
+  except Exception as e:  # array_record raises RuntimeError, OSError, ValueError, …
+    raise DatasetMissing(f'cannot read the prepared {name} ({type(e).__name__}: '
+                         f'{str(e)[:160]}): its files are damaged; prepare it again with: '
+                         f'tfds build {name} --file_format=array_record') from e
   return out
 
 
@@ -173,7 +185,7 @@ def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextD
   tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
   out = {}
   for split, source in sources.items():
-    examples = [e for e in _examples(source) if float(e['label']) >= 0]
+    examples = [e for e in _examples(source, tfds_name) if float(e['label']) >= 0]
     if not examples:
       raise DatasetMissing(f'{tfds_name} split {split!r} has no labelled examples')
     columns = [[_text(e[f]) for e in examples] for f in spec.features]
@@ -228,7 +240,8 @@ def _tokenize_squad(tokenizer, examples, max_seq_length: int, doc_stride: int):
       raise TextConfigError(f'data.doc_stride={doc_stride} must be below the context room of a '
                             f'window, max_seq_length={max_seq_length} - special tokens - the '
                             f'longest question ({longest} tokens) = {room}; raise '
-                            f'data.max_seq_length or lower data.doc_stride') from e
+                            f'data.max_seq_length' + (' or lower data.doc_stride' if room > 1
+                                                      else '')) from e
     raise TextConfigError(f'cannot split SQuAD contexts with max_seq_length={max_seq_length}, '
                           f'doc_stride={doc_stride}: {str(e).splitlines()[0]}') from e
   return enc, contexts
@@ -303,8 +316,9 @@ def squad(tokenizer, max_seq_length: int, doc_stride: int,
   train_source = _data_source(name, 'train', data_dir, module)
   eval_source = _data_source(name, 'validation', data_dir, module)
   tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-  train = squad_train_features(tokenizer, _examples(train_source), max_seq_length, doc_stride)
-  eval_arrays, host = squad_eval_features(tokenizer, _examples(eval_source), max_seq_length,
-                                          doc_stride)
+  train = squad_train_features(tokenizer, _examples(train_source, name), max_seq_length,
+                               doc_stride)
+  eval_arrays, host = squad_eval_features(tokenizer, _examples(eval_source, name),
+                                          max_seq_length, doc_stride)
   return (TextDataset(name, ArraySource(train), ArraySource(eval_arrays), 2, max_seq_length),
           host)

@@ -42,6 +42,10 @@ class ArraySource:
     return {k: v[ids] for k, v in self.arrays.items()}
 
 
+class DataReadError(RuntimeError):
+  """A prepared data set whose records cannot be read (damaged files)."""
+
+
 class TfdsSource:
   """A ``tfds.data_source`` (array_record, random access, no TensorFlow)
   mapped example by example through ``transform(example) -> dict``."""
@@ -57,7 +61,12 @@ class TfdsSource:
     return len(self.data_source)
 
   def __getitem__(self, ids: np.ndarray) -> Batch:
-    examples = [self.data_source[int(i)] for i in ids]
+    try:
+      examples = [self.data_source[int(i)] for i in ids]
+    except Exception as e:  # array_record raises RuntimeError, OSError, ValueError, …
+      raise DataReadError(f'cannot read the prepared data set {self.data_source} '
+                          f'({type(e).__name__}: {str(e)[:160]}): its files are damaged; '
+                          f'prepare it again (tfds build)') from e
     rows = [self.transform(e) for e in examples]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 

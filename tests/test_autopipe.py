@@ -330,6 +330,10 @@ def test_plan_cli_vit_b16():
   for value in (-0.1, float('nan'), 1.5):
     with pytest.raises(ValueError, match=r'--split-mlp-min-gain must be in \[0, 1\]'):
       plan_lib.build_plan('vit-b16', 8, 0, split_mlp_min_gain=value)
+  with pytest.raises(ValueError, match=r'a pipeline of 64 stages needs as many units; vit-b16 has '
+                                       r'26 .*--initial-pipeline-length 16 or less'):
+    plan_lib.build_plan('vit-b16', 64, 0)
+  assert plan_lib.build_plan('vit-b16', 64, 0, initial_pipeline_length=16)['replicas'] == 4
 
 
 def _plan_cli(*args):

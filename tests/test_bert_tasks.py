@@ -183,11 +183,40 @@ def test_a_stride_a_long_question_leaves_no_room_for_is_one_clear_error():
     text_data.squad_train_features(tokenizer, [example], 32, 13)
   with pytest.raises(text_data.TextConfigError, match='doc_stride=13 must be below'):
     text_data.squad_eval_features(tokenizer, [example], 32, 13)
+  # No room at all (a question longer than the window): only a longer window helps.
+  with pytest.raises(text_data.TextConfigError,
+                     match=r'longest question \(17 tokens\) = -2; raise data.max_seq_length$'):
+    text_data.squad_train_features(tokenizer, [example], 18, 1)
   assert len(text_data.squad_train_features(tokenizer, [example], 32, 11)['input_ids']) > 1
   # A long question whose context needs no cut is no problem at that stride.
   short = dict(example, context='Paris.', answers={'text': np.array(['Paris']),
                                                    'answer_start': np.array([0])})
   assert len(text_data.squad_train_features(tokenizer, [short], 32, 13)['input_ids']) == 1
+
+
+def test_a_prepared_data_set_with_damaged_files_is_one_clear_error():
+  """array_record raises RuntimeError for a damaged shard: read whole (the
+  text tasks) or batch by batch (ImageNet), it is one line naming the data."""
+  from experiments.datasets import DatasetMissing  # noqa: PLC0415
+  from pipejax.data import DataReadError, TfdsSource  # noqa: PLC0415
+
+  class Damaged:
+    def __len__(self):
+      return 3
+
+    def __getitem__(self, i):
+      if i == 2:
+        raise RuntimeError('Corrupted Riegeli/records file')
+      return {'label': 0}
+
+  with pytest.raises(DatasetMissing, match=r'cannot read the prepared glue/sst2 \(RuntimeError: '
+                                           r'Corrupted.*tfds build glue/sst2'):
+    text_data._examples(Damaged(), 'glue/sst2')  # noqa: SLF001
+  source = TfdsSource(Damaged(), lambda e: {'x': np.zeros(1)})
+  assert source[np.array([0, 1])]['x'].shape == (2, 1)
+  with pytest.raises(DataReadError, match=r'RuntimeError: Corrupted.*its files are damaged'):
+    source[np.array([1, 2])]
+  assert DataReadError in elastic.KNOWN_ERRORS and DatasetMissing in elastic.KNOWN_ERRORS
 
 
 def test_a_tokenizer_that_cannot_serve_the_model_is_one_clear_error(tmp_path):
@@ -372,9 +401,11 @@ def test_bad_input_is_one_line(tmp_path, module, args, message):
     ({'model.pretrained': '/nonexistent/bert', 'model.tokenizer': ''},
      "cannot load a tokenizer from '/nonexistent/bert'"),
     ({'model.pretrained': '/nonexistent/bert'}, "cannot load pretrained model from '/nonexistent"),
+    ({'model.pretrained': '', 'model.tokenizer': os.path.dirname(os.path.abspath(__file__))},
+     "holds no tokenizer (tokenizer.json or vocab.txt)"),
     ({'model.preset': 'bert-huge'}, "model.preset must be 'custom' or one of"),
     ({'data.max_seq_length': 600, 'model.pretrained': fixtures.minilm_dir()},
-     "data.max_seq_length=600 exceeds the model's 512 position embeddings"),
+     "data.max_seq_length=600 exceeds the model's 512 position embeddings (model.pretrained="),
 ])
 def test_bad_model_input_is_one_line(tmp_path, capsys, overrides, message):
   """With the data set present (mocked), model and tokenizer errors are one line too."""

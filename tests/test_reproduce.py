@@ -325,3 +325,26 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
                                                        abs=1.01 / 359)
   assert plain['eval_batch_size'] == 4 * config.train.batch_size  # the main job's default
   assert rows[0][0]['train_loss'] != rows[0][-1]['train_loss']  # it trained
+
+
+def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_path):
+  """A workdir that is a file, or whose summary path is a folder: one line,
+  exit 2, before the data and model load (not a traceback after training)."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  (tmp_path / 'afile').write_text('x')
+  (tmp_path / 'busy' / 'summary.json').mkdir(parents=True)
+  cases = [('plain_dp', 'afile', 'cannot use --workdir='),
+           ('bench_plans', 'afile', 'cannot use --workdir='),
+           ('plain_dp', 'busy', 'summary.json is a directory, where the run writes its file'),
+           ('bench_plans', 'fresh', "data.name must be 'auto', 'imagenet2012' or 'digits'")]
+  for module, workdir, message in cases:
+    args = ['--config.train.epochs=1', '--config.train.max_steps_per_epoch=1']
+    if 'data.name' in message:  # a config error: one line too
+      args.append('--config.data.name=bogus')
+    out = subprocess.run([sys.executable, '-m', f'experiments.{module}',
+                          f'--workdir={tmp_path / workdir}', *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, (module, out.stderr[-2000:])
+    assert out.stderr.count('\n') == 1 and message in out.stderr, (module, out.stderr)
+    assert not os.path.exists(tmp_path / workdir / 'metrics.jsonl')
