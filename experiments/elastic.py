@@ -570,10 +570,18 @@ def run(config, workdir: str | None, task: str,
         finished = _finished_summary(done, repair=not past) if (
             trainer.epochs_done >= config.train.epochs and os.path.exists(done)) else None
         if finished is not None:
+          accuracy = finished.get('final_eval_accuracy')
           _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
                f'train, its outputs are kept (--config.train.epochs=N trains on to epoch N, '
-               f'--config.resume=False starts over)')
+               f'--config.resume=False starts over)' + (
+                   f'; final eval accuracy {accuracy:.4f}'
+                   if isinstance(accuracy, (int, float)) else ''))
           trainer.close()
+          png = os.path.join(workdir, 'summary.png')
+          if distributed.is_main_process() and not os.path.exists(png):
+            reporting.plot_summary(workdir, reporting.read_rows(workdir),
+                                   f'{mode}: {data.name}, {_describe(model)}')
+            _log(f'{png} was missing: drawn again from {workdir}/metrics.jsonl')
           return finished
         if past:
           raise ConfigError(f'{workdir} holds a run {trainer.epochs_done} epochs in, past '
@@ -617,8 +625,10 @@ def run(config, workdir: str | None, task: str,
       'programs': trainer.programs.stats(),
   }
   if distributed.is_main_process():
-    reporting.write_summary(workdir, summary)
+    # The plot first: summary.json marks the run finished (a rerun then trains
+    # nothing and writes nothing), so it comes last.
     reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
+    reporting.write_summary(workdir, summary)
   _log(f'done in {summary["total_seconds"]:.1f}s: final eval accuracy '
        f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '
        f'outputs in {workdir}')

@@ -151,6 +151,8 @@ def plot_summary(workdir: str, rows: list[dict[str, Any]], title: str) -> str:
   fig.suptitle(title)
   fig.tight_layout()
   path = os.path.join(workdir, 'summary.png')
-  fig.savefig(path, dpi=80)
-  plt.close(fig)
+  try:
+    diskcache.write_atomic(path, lambda f: fig.savefig(f, dpi=80, format='png'), binary=True)
+  finally:
+    plt.close(fig)
   return path

@@ -333,6 +333,16 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
   with open(os.path.join(workdir, 'summary.json')) as f:
     assert f.read() == summary
+  # A finished run whose plot is missing (killed between the two writes by an
+  # earlier version, or deleted): drawn again from the metrics, nothing trained.
+  png = os.path.join(workdir, 'summary.png')
+  drawn = open(png, 'rb').read()
+  os.remove(png)
+  assert elastic.main(config(), workdir, task='vit') == 0
+  assert 'summary.png was missing: drawn again' in capsys.readouterr().out
+  assert open(png, 'rb').read()[:8] == drawn[:8] == b'\x89PNG\r\n\x1a\n'
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    assert f.read() == summary
   # A damaged summary of a finished run is set aside and written again from
   # its checkpoint and metrics rows; nothing is trained.
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
