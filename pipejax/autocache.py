@@ -239,6 +239,13 @@ class ActivationCache:
     self._settle()
     return self._depth[self._check_ids(sample_ids)].copy()
 
+  def room(self) -> int:
+    """How many new entries the budgets can still take (memory, then disk)."""
+    self._settle()
+    with self._lock:
+      memory = max(0, self._resident_limit // self.entry_bytes - len(self._memory))
+      return int(memory + len(self._free))
+
   def cached_ids(self) -> np.ndarray:
     """The sorted IDs that have an entry (at any depth)."""
     self._settle()

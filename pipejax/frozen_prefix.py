@@ -457,7 +457,9 @@ class FrozenPrefix:
     together, in batches of the prefix's compiled size, each is one miss and
     one pass through the frozen blocks, as it would have been; a batch of new
     samples only keeps the faster path of :meth:`feed` (computed on the
-    devices, stored later).
+    devices, stored later). Only as many as the cache can still store are
+    computed here: with budgets below the data set, one it must refuse would
+    be computed twice (here and in :meth:`feed`).
     """
     if not self.use_cache:
       return 0
@@ -475,10 +477,12 @@ class FrozenPrefix:
     missing = np.split(self.cache.depths(np.concatenate(batches)) < 0,
                        np.cumsum([len(ids) for ids in batches])[:-1])
     stragglers = [ids[m] for ids, m in zip(batches, missing) if m.any() and not m.all()]
-    if not stragglers:
+    # Only those the cache can still store: one it must refuse would be
+    # computed here and again by feed (with a budget below the data set).
+    ids = np.unique(np.concatenate(stragglers))[:self.cache.room()] if stragglers else []
+    if not len(ids):
       return 0
     start_time = time.perf_counter()
-    ids = np.unique(np.concatenate(stragglers))
     size = self.local_batch_size
     for start in range(0, len(ids), size):
       chunk = ids[start:start + size]
@@ -491,8 +495,9 @@ class FrozenPrefix:
         return np.asarray(self._forward(plan, frozen, batch))[rows]
 
       self.cache.fetch(chunk, compute)
-    self.log(f'  autocache: {len(ids)} sample{"s" * (len(ids) != 1)} of this epoch that earlier '
-             f'epochs did not draw computed in {time.perf_counter() - start_time:.2f}s')
+    self.log(f'  autocache: {len(ids)} sample{"s" * (len(ids) != 1)} without an entry in this '
+             f'epoch\'s partly cached batches computed and stored in '
+             f'{time.perf_counter() - start_time:.2f}s')
     return len(ids)
 
   def checkpoint_meta(self) -> dict:

@@ -280,8 +280,10 @@ def test_budgets_hold_when_everything_does_not_fit(tmp_path):
   cache = make_cache(tmp_path, num_samples=n, memory_bytes=in_memory * ENTRY + ENTRY - 1,
                      disk_bytes=on_disk * record + record - 1, prefetch_bytes=0)
   cache.advance(3, fake.advance_fn)
+  assert cache.room() == in_memory + on_disk
   batches = epoch_batches(n, 8, 0)
   run_epoch(cache, fake, batches)
+  assert cache.room() == 0
   stats = cache.stats()
   assert (stats['memory_entries'], stats['disk_entries'], stats['uncached']) == (
       in_memory, on_disk, n - in_memory - on_disk)

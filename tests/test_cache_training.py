@@ -197,6 +197,30 @@ def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypa
   assert len(fetched) == loader.steps_per_epoch()  # every batch served by the cache
 
 
+def test_stragglers_the_cache_cannot_store_are_left_to_their_batches(monkeypatch):
+  """With budgets below the data set, a straggler the cache would refuse is
+  not computed before the epoch (it would be computed again in its batch)."""
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(policy='always')
+  trainer, _ = _trainer(config, samples=72)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  for epoch in range(2):
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+  cache, loader = trainer.prefix.cache, trainer.train_loader
+  batches = loader.batch_ids(2)
+  lacking = np.setdiff1d(np.concatenate(batches), np.concatenate(loader.batch_ids(1)))
+  assert len(lacking) > 2
+  monkeypatch.setattr(type(cache), 'room', lambda self: 2)  # the budgets hold 2 more
+  before = cache.stats()
+  assert trainer.prefix.prefetch(batches, trainer.plan, trainer.state['frozen']) == 2
+  after = cache.stats()
+  assert after['misses'] == before['misses'] + 2
+  assert after['uncached'] == before['uncached']  # nothing computed only to be refused
+  assert int((cache.depths(lacking) == 3).sum()) == 2
+
+
 def test_entries_are_advanced_in_as_few_calls_as_the_byte_budget_allows(monkeypatch):
   """Each advance call is a round trip that waits for the devices: a freeze
   event moves all 64 entries in one call, unless ADVANCE_BYTES says less (and
