@@ -716,6 +716,9 @@ def main(config, workdir: str | None, task: str) -> int:
       distributed.exit_if_peer_lost(
           e, os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None)
       raise
+  if stop.requested:  # it came after the last step: nothing was cut short
+    _log('the signal came after the last step: the run finished and its outputs are '
+         'complete (exit 0, nothing to resume)')
   return 0
 
 

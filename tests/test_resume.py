@@ -578,3 +578,22 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
             {k: want[k] for k in EXACT if k not in close})
     np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=1e-6)
   assert all(r['cache'] for r in rows[1:])
+
+
+def test_a_signal_after_the_last_step_says_the_run_finished(monkeypatch, capsys):
+  """SIGTERM while the summary is written: the run is complete and exits 0;
+  the line printed at the signal (saving, exit 75) is corrected."""
+  def finishing(config, workdir, task, stop_requested):
+    os.kill(os.getpid(), signal.SIGTERM)  # arrives after the last step
+    assert stop_requested()
+    return {}
+
+  monkeypatch.setattr(elastic, 'run', finishing)
+  assert elastic.main(None, None, task='vit') == 0
+  out = capsys.readouterr().out
+  assert 'SIGTERM: finishing the current step' in out
+  assert 'the signal came after the last step: the run finished' in out
+  monkeypatch.undo()
+  monkeypatch.setattr(elastic, 'run', lambda *a, **k: {})
+  assert elastic.main(None, None, task='vit') == 0  # no signal: no such line
+  assert 'the signal came' not in capsys.readouterr().out
