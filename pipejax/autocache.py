@@ -239,6 +239,13 @@ class ActivationCache:
     self._settle()
     return self._depth[self._check_ids(sample_ids)].copy()
 
+  def fits(self) -> float:
+    """The fraction of this cache's samples (:meth:`num_owned`) that its
+    budgets, memory and disk together, can hold (1: every one)."""
+    slots = self._resident_limit // self.entry_bytes + (
+        self._disk.slots if self._disk is not None else 0)
+    return min(1.0, slots / max(self.num_owned, 1))
+
   def room(self) -> int:
     """How many new entries the budgets can still take (memory, then disk)."""
     self._settle()

@@ -32,7 +32,11 @@ class CachingDecision:
   Costs are seconds per batch summed over ``epochs_ahead`` epochs at this
   depth: ``seconds_without = epochs_ahead · forward``; with the cache, the
   entries that are not there yet (all, unless ``filled``) cost ``forward +
-  write`` once, then ``read`` each remaining epoch.
+  write`` once, then ``read`` each remaining epoch — plus, when the budgets
+  hold only part of the samples, a ``forward`` for every batch that is not
+  all hits (its missing rows are computed as a whole batch): a fraction
+  ``1 − fits ** batch_size`` of them, ``fits`` the fraction of the
+  process's samples the budgets hold.
   """
   num_frozen_layers: int
   use_cache: bool
@@ -47,9 +51,18 @@ class CachingDecision:
   # depth for a decision kept by :func:`keep_caching` (whose forward and
   # ``seconds_without`` are then lower bounds).
   measured_at: int | None = None
+  # The fraction of the samples the budgets hold, and of the batches that
+  # are then all hits (1 and 1 when every sample fits; checkpoints from
+  # before these fields restore as such).
+  fits: float = 1.0
+  all_hit_batches: float = 1.0
+  batch_size: int = 1
 
   def describe(self) -> str:
     verdict = 'use the cache' if self.use_cache else 'run the prefix'
+    if self.fits < 1:
+      verdict += (f'; the budgets hold {self.fits:.1%} of the samples, so '
+                  f'{1 - self.all_hit_batches:.1%} of the batches still run the forward')
     if self.measured_at is not None and self.measured_at != self.num_frozen_layers:
       return (f'autocache: F={self.num_frozen_layers}: {verdict} (not re-measured: at '
               f'F={self.measured_at} the filled cache read {self.read_seconds:.4f}s per batch '
@@ -64,8 +77,8 @@ class CachingDecision:
 
 
 def decide_caching(num_frozen_layers: int, forward_seconds: float, read_seconds: float,
-                   write_seconds: float, epochs_ahead: int, filled: bool = False
-                   ) -> CachingDecision:
+                   write_seconds: float, epochs_ahead: int, filled: bool = False,
+                   fits: float = 1.0, batch_size: int = 1) -> CachingDecision:
   """Compares caching with recomputation for one depth (pure).
 
   Args:
@@ -77,17 +90,24 @@ def decide_caching(num_frozen_layers: int, forward_seconds: float, read_seconds:
     epochs_ahead: epochs expected at this depth (the freeze timestep, or the
       epochs left); with 1 and an empty cache, caching cannot pay.
     filled: the entries already exist at this depth (advanced or reopened).
+    fits: the fraction of the process's samples the budgets hold (1: all).
+    batch_size: the samples of a batch on this process (with ``fits``, how
+      many batches are all hits).
   """
   if epochs_ahead < 1:
     raise ValueError(f'epochs_ahead must be >= 1, got {epochs_ahead}')
+  fits = min(max(float(fits), 0.0), 1.0)
+  all_hits = fits ** max(int(batch_size), 1)
+  served = read_seconds + (1 - all_hits) * forward_seconds  # an epoch after the fill
   without = epochs_ahead * forward_seconds
   if filled:
-    with_cache = epochs_ahead * read_seconds
+    with_cache = epochs_ahead * served
   else:
-    with_cache = forward_seconds + write_seconds + (epochs_ahead - 1) * read_seconds
+    with_cache = forward_seconds + write_seconds + (epochs_ahead - 1) * served
   use = num_frozen_layers > 0 and with_cache < without
   return CachingDecision(num_frozen_layers, use, forward_seconds, read_seconds, write_seconds,
-                         epochs_ahead, filled, without, with_cache, num_frozen_layers)
+                         epochs_ahead, filled, without, with_cache, num_frozen_layers,
+                         fits, all_hits, max(int(batch_size), 1))
 
 
 def keep_caching(previous: CachingDecision | None, num_frozen_layers: int,
@@ -105,10 +125,12 @@ def keep_caching(previous: CachingDecision | None, num_frozen_layers: int,
   if (previous is None or not previous.use_cache or not previous.filled
       or num_frozen_layers <= previous.num_frozen_layers):
     return None
-  # The shallower depth's timings: the comparison (read < forward) comes out
-  # as it did there.
+  # The shallower depth's timings: the comparison (read < forward times the
+  # share of all-hit batches) comes out as it did there. The budgets and the
+  # entries' size are the same at every depth: so is the fit.
   decision = decide_caching(num_frozen_layers, previous.forward_seconds, previous.read_seconds,
-                            previous.write_seconds, epochs_ahead, filled=True)
+                            previous.write_seconds, epochs_ahead, filled=True,
+                            fits=previous.fits, batch_size=previous.batch_size)
   measured_at = (previous.num_frozen_layers if previous.measured_at is None
                  else previous.measured_at)
   return dataclasses.replace(decision, measured_at=measured_at)

@@ -428,14 +428,16 @@ class FrozenPrefix:
       write, read = self.cache.measure_io(hidden)
       timings.append((forward_seconds, write + to_host, read + to_devices))
     forward_seconds, write, read = np.min(timings, axis=0).tolist()
+    fits = self.cache.fits()
     combined = ''
     if self.processes > 1:
-      everyone = distributed.gather_exact([forward_seconds, read, write, float(filled)])
+      everyone = distributed.gather_exact([forward_seconds, read, write, float(filled), fits])
       forward_seconds, read, write = (float(v) for v in everyone[:, :3].max(axis=0))
       filled = bool(everyone[:, 3].all())
+      fits = float(everyone[:, 4].min())
       combined = f' (timings: the slowest of {self.processes} processes)'
     decision = autocache_policy.decide_caching(depth, forward_seconds, read, write, epochs_ahead,
-                                               filled)
+                                               filled, fits=fits, batch_size=size)
     self.decisions.append(decision)
     use = decision.use_cache or self.policy == 'always'
     self.log('  ' + decision.describe() + combined + (

@@ -281,6 +281,7 @@ def test_budgets_hold_when_everything_does_not_fit(tmp_path):
                      disk_bytes=on_disk * record + record - 1, prefetch_bytes=0)
   cache.advance(3, fake.advance_fn)
   assert cache.room() == in_memory + on_disk
+  assert cache.fits() == pytest.approx((in_memory + on_disk) / n)
   batches = epoch_batches(n, 8, 0)
   run_epoch(cache, fake, batches)
   assert cache.room() == 0
@@ -600,6 +601,28 @@ def test_decide_caching():
   assert not decide_caching(0, 1.0, 0.0, 0.0, epochs_ahead=10).use_cache  # nothing frozen
   d = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3)
   assert d.seconds_without == pytest.approx(0.30) and d.seconds_with == pytest.approx(0.19)
+
+
+def test_a_cache_that_holds_part_of_the_samples_pays_a_forward_for_every_batch_with_a_miss():
+  """A batch is served from the cache only when all its samples hit; the
+  others compute their missing rows as a whole batch. With budgets for
+  a fraction f of the samples, batches of b: f ** b are all hits."""
+  fits_all = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3)
+  same = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3, fits=1.0, batch_size=32)
+  assert (same.use_cache, same.seconds_with) == (fits_all.use_cache, fits_all.seconds_with)
+  # ImageNet's default budget: 0.3 % of the samples, batches of 32: never worth it.
+  tiny = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3, fits=0.003, batch_size=32)
+  assert not tiny.use_cache
+  assert tiny.seconds_with == pytest.approx(0.10 + 0.05 + 2 * (0.02 + 0.10))
+  assert 'the budgets hold 0.3% of the samples, so 100.0% of the batches' in tiny.describe()
+  # Nearly everything fits, small batches: 0.99 ** 4 = 0.96 all hits; still pays.
+  most = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3, fits=0.99, batch_size=4)
+  assert most.all_hit_batches == pytest.approx(0.99 ** 4)
+  assert most.use_cache and most.seconds_with == pytest.approx(
+      0.15 + 2 * (0.02 + (1 - 0.99 ** 4) * 0.10))
+  kept = keep_caching(decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3, filled=True,
+                                     fits=0.99, batch_size=4), 5, epochs_ahead=2)
+  assert (kept.fits, kept.batch_size, kept.all_hit_batches) == (0.99, 4, most.all_hit_batches)
 
 
 def test_a_decision_s_line_names_its_inputs_and_verdict():
