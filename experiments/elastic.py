@@ -210,6 +210,10 @@ def resolve_data(config, task: str = 'vit'):
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
 
+#: The files a run writes into its workdir (beside ``checkpoints/``).
+RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
+
+
 def check_workdir(workdir: str, checkpoints_enabled: bool) -> None:
   """Creates ``workdir`` if needed; the paths of the outputs it will write
   must be free or of the right kind (before training, not at the first save)."""
@@ -219,7 +223,7 @@ def check_workdir(workdir: str, checkpoints_enabled: bool) -> None:
     raise ConfigError(f'cannot use --workdir={workdir}: {e.strerror or e}') from e
   if not os.access(workdir, os.W_OK | os.X_OK):
     raise ConfigError(f'cannot use --workdir={workdir}: not writable')
-  outputs = [('metrics.jsonl', False), ('summary.json', False), ('summary.png', False)]
+  outputs = [(name, False) for name in RUN_FILES]
   for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
     path = os.path.join(workdir, name)
     if os.path.exists(path) and os.path.isdir(path) != is_dir:
@@ -397,8 +401,7 @@ def _progress(epoch: int, total: int):
 
 def _start_over(workdir: str) -> None:
   """Removes a previous run's outputs from ``workdir`` (``--config.resume=False``)."""
-  removed = [name for name in ('metrics.jsonl', 'summary.json', 'summary.png')
-             if os.path.exists(os.path.join(workdir, name))]
+  removed = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
   if os.path.isdir(os.path.join(workdir, 'checkpoints')):
     removed.append('checkpoints/')
   if not removed or jax.process_index() != 0:
@@ -519,8 +522,8 @@ def run(config, workdir: str | None, task: str,
     workdir = _fresh_workdir(task)
   check_workdir(workdir, config.checkpoint.enabled)
   if distributed.is_main_process():  # the one writer of the run's files
-    # left by a killed write of the metrics or the summary; the user's files stay
-    diskcache.remove_stale_tmp(workdir, of=('metrics.jsonl', 'summary.json'))
+    # left by a killed write of one of them; the user's files stay
+    diskcache.remove_stale_tmp(workdir, of=RUN_FILES)
   ident = resume.identity(config, model.hf_config.to_dict())
   if config.resume and os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '

@@ -252,9 +252,22 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
 
 def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tmp_path):
   workdir = str(tmp_path / 'run')
+  # Temporaries that killed writes of the run's files left: removed at the start
+  # once stale; a live writer's (younger) and the user's own files stay.
+  os.makedirs(workdir)
+  from pipejax import diskcache  # noqa: PLC0415
+  stale = time.time() - diskcache.STALE_TMP_SECONDS - 10
+  left = [f'{name}.{i}.tmp' for i, name in enumerate(elastic.RUN_FILES)] + ['mine.txt.tmp']
+  for name in left + ['summary.png.young.tmp']:
+    with open(os.path.join(workdir, name), 'w') as f:
+      f.write('')
+  for name in left:
+    os.utime(os.path.join(workdir, name), (stale, stale))
   config = _config(str(tmp_path / 'p.json'), **{'checkpoint.enabled': False,
                                                  'train.epochs': 1})
   elastic.run(config, workdir, task='vit')
+  assert sorted(n for n in os.listdir(workdir) if n.endswith('.tmp')) == [
+      'mine.txt.tmp', 'summary.png.young.tmp']
   before = {name: open(os.path.join(workdir, name), 'rb').read()
             for name in ('metrics.jsonl', 'summary.json')}
   with pytest.raises(elastic.ConfigError, match='checkpoint.enabled=False cannot resume'):
