@@ -502,6 +502,7 @@ def run(config, workdir: str | None, task: str,
   start = time.perf_counter()
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
+  distributed.check_same_config(config, workdir)
   devices_available = len(jax.devices())
   check_config(config, devices_available)
   if not workdir and jax.process_count() > 1:  # before the data and the model load

@@ -25,6 +25,8 @@ checkpoint, so that relaunching the same command resumes the job.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import re
 import signal
@@ -91,6 +93,10 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
   if (os.environ.get('JAX_PLATFORMS', '') or 'cpu').startswith('cpu'):
     # CPU devices of different processes talk through gloo (TCP).
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # JAX's preemption service installs its own SIGTERM handler over the run's
+  # (pipejax.resume.StopOnSignal): a SIGTERM to one process was then ignored.
+  # The run agrees on a stop itself (agreed_stop).
+  jax.config.update('jax_enable_preemption_service', False)
   kwargs = {} if c.coordinator == 'auto' else dict(
       coordinator_address=c.coordinator, num_processes=c.num_processes,
       process_id=c.process_id)
@@ -105,6 +111,38 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
                            f'{detail}') from e
   log(f'process {jax.process_index()} of {jax.process_count()} joined the job '
       f'({jax.local_device_count()} local devices, {jax.device_count()} in all)')
+
+
+def config_digest(config, workdir: str | None) -> float:
+  """What must be the same on every process, as one float64 (48 bits of a
+  SHA-256): the whole configuration but ``distributed.process_id``, and the
+  workdir."""
+  flat = config.to_dict()
+  flat.get('distributed', {}).pop('process_id', None)
+  text = json.dumps(flat, sort_keys=True, default=str) + '\0' + os.path.abspath(workdir or '')
+  return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], 'little'))
+
+
+def check_same_config(config, workdir: str | None) -> None:
+  """Refuses, on every process at once, a job whose processes were started
+  with different configurations or workdirs (each would train its replica
+  its own way, or the collectives would stop matching later). Collective
+  with several processes: every process calls it at the same point.
+
+  Raises:
+    DistributedError: the processes that differ from process 0.
+  """
+  import jax  # noqa: PLC0415
+  if jax.process_count() == 1:
+    return
+  digests = gather_exact([config_digest(config, workdir)])[:, 0]
+  differ = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
+  if differ:
+    raise DistributedError(
+        f'process{"es" * (len(differ) > 1)} {", ".join(map(str, differ))} '
+        f'{"were" if len(differ) > 1 else "was"} started with another configuration or '
+        f'--workdir than process 0: start every process with the same command line (but '
+        f'distributed.process_id)')
 
 
 def ordered_devices(devices: Sequence | None = None) -> list:

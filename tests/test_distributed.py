@@ -164,8 +164,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(workdir, overrides: dict, heartbeat=10):
-  """Starts the main job as 2 processes x 4 fake CPU devices; returns them."""
+def _launch(workdir, overrides: dict, heartbeat=10, only: dict | None = None):
+  """Starts the main job as 2 processes x 4 fake CPU devices; returns them.
+  ``only``: ``{process: [arguments]}`` given to that process alone."""
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
@@ -174,6 +175,7 @@ def _launch(workdir, overrides: dict, heartbeat=10):
       '--config.distributed.num_processes=2',
       f'--config.distributed.heartbeat_timeout_seconds={heartbeat}', f'--workdir={workdir}']
   return [subprocess.Popen([sys.executable, '-m', 'experiments.vit_imagenet', *args,
+                            *(only or {}).get(p, []),
                             f'--config.distributed.process_id={p}'], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True) for p in (0, 1)]
@@ -390,3 +392,46 @@ def test_a_dead_process_stops_the_job_in_one_line(tmp_path, victim):
     assert code == 0, f'process {p}: {stderr[-3000:]}'
   assert f'resuming from {os.path.join(directory, str(steps[-1]))}' in results[0][1]
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1, 2]
+
+
+@JOBS
+def test_processes_started_with_different_configs_are_refused_in_one_line(tmp_path):
+  """Each process would train its replica its own way (or the collectives
+  would stop matching later): refused on both before anything is built."""
+  job = _launch(str(tmp_path / 'job'), SMALL, only={1: ['--config.train.learning_rate=0.1']})
+  for p, (code, _, stderr) in enumerate(_finish(job, timeout=180)):
+    assert code == 2, f'process {p}: {stderr[-3000:]}'
+    assert stderr.strip().splitlines()[-1] == (
+        'error: process 1 was started with another configuration or --workdir than process 0: '
+        'start every process with the same command line (but distributed.process_id)')
+  assert not os.path.exists(tmp_path / 'job' / 'metrics.jsonl')
+  # The configuration but the process's own rank: the same digest.
+  base = vit_imagenet.get_config()
+  other = vit_imagenet.get_config()
+  with other.unlocked():
+    other.distributed.process_id = 1
+  assert distributed.config_digest(base, 'w') == distributed.config_digest(other, 'w')
+  assert distributed.config_digest(base, 'w') != distributed.config_digest(base, 'elsewhere')
+
+
+@JOBS
+def test_sigterm_to_one_process_stops_the_whole_job_with_a_checkpoint(tmp_path):
+  """JAX's preemption service would put its own SIGTERM handler in place of
+  the run's: a SIGTERM to one process was ignored. Both stop at the same
+  step, save, and exit 75; the same command resumes."""
+  workdir = str(tmp_path / 'job')
+  job = _launch(workdir, {**SMALL, 'train.epochs': 200})
+  try:
+    directory = _wait_for_checkpoint(workdir, job, timeout=180)
+    assert directory is not None, 'no checkpoint appeared'
+    job[1].send_signal(signal.SIGTERM)
+    results = _finish(job, timeout=120)
+  finally:
+    for p in job:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+  lines = [stderr.strip().splitlines()[-1] for _, _, stderr in results]
+  assert [code for code, _, _ in results] == [75, 75], lines
+  assert lines[0] == lines[1] and lines[0].startswith('interrupted: stopped on request after step')
+  step = int(lines[0].split('after step ')[1].split()[0])
+  assert os.path.isdir(os.path.join(directory, str(step)))
