@@ -133,7 +133,7 @@ def check_same_config(config, workdir: str | None) -> None:
     DistributedError: the processes that differ from process 0.
   """
   import jax  # noqa: PLC0415
-  if jax.process_count() == 1:
+  if not is_multi_process(config) or jax.process_count() == 1:  # the job initialize joined
     return
   digests = gather_exact([config_digest(config, workdir)])[:, 0]
   differ = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
