@@ -526,7 +526,8 @@ def run(config, workdir: str | None, task: str,
     # left by a killed write of one of them; the user's files stay
     diskcache.remove_stale_tmp(workdir, of=RUN_FILES)
   ident = resume.identity(config, model.hf_config.to_dict())
-  if config.resume and os.path.exists(os.path.join(workdir, 'metrics.jsonl')) and not config.checkpoint.enabled:
+  if (config.resume and not config.checkpoint.enabled
+      and os.path.exists(os.path.join(workdir, 'metrics.jsonl'))):
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '
                       f'it; use --config.resume=False to start over, or another --workdir')
   largest = config.train.batch_size * (len(devices) if config.train.batch_mode == 'per_pipeline'
@@ -541,8 +542,11 @@ def run(config, workdir: str | None, task: str,
   # Starting over opens it only once the old run is removed, which waits until
   # everything that can refuse this run's config has run: the trainer builds
   # the plan, its loaders and its cache.
-  ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
-      config.checkpoint.enabled and config.resume) else None
+  def open_checkpoints():
+    return (checkpoints.Checkpoints(workdir, config.checkpoint.keep)
+            if config.checkpoint.enabled else None)
+
+  ckpt = open_checkpoints() if config.resume else None
 
   def save(portable, meta, wait):
     if ckpt is None:
@@ -565,8 +569,7 @@ def run(config, workdir: str | None, task: str,
         trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
       if not config.resume:
         _start_over(workdir)
-        ckpt = checkpoints.Checkpoints(workdir, config.checkpoint.keep) if (
-            config.checkpoint.enabled) else None
+        ckpt = open_checkpoints()
       else:
         _resume(workdir, trainer, ckpt, ident)
         done = os.path.join(workdir, 'summary.json')
@@ -795,14 +798,14 @@ def _command_line_error(error: Exception, argv: list[str], config_file: str) -> 
   an unknown config key by its full name (they name only its last part)."""
   if error.args and isinstance(error.args[0], KeyError):  # a key below the top, wrapped
     error = error.args[0]
-  lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+  # A KeyError's str() is the repr of its message: read the message itself.
+  message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+  lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
   if isinstance(error, SyntaxError):
     return f'cannot load the --config file: {type(error).__name__}: {lines[0]}'
   if any('config file' in line or 'earlier failure to load' in line for line in lines):
     why = lines[-1].split('earlier failure to load: ')[-1]  # the last line says why
     return f'cannot load the --config file: {why}'
-  if isinstance(error, KeyError) and error.args:  # its str() is the repr of its message
-    lines = [line.strip() for line in str(error.args[0]).splitlines() if line.strip()] or lines
   detail = lines[0] if lines else type(error).__name__
   if 'before a value for --config was specified' in detail:
     return f'bad command line: {detail}; put --config FILE before the --config.KEY overrides'

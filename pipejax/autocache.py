@@ -129,7 +129,8 @@ class ActivationCache:
     self.num_samples, self.depth, self.log = int(num_samples), int(depth), log
     self.memory_bytes, self.disk_bytes = memory_bytes, disk_bytes
     self.prefetch_bytes = prefetch_bytes
-    self._resident_limit = memory_bytes - prefetch_bytes
+    # The entries memory holds (the prefetch buffer is part of its budget).
+    self._memory_slots = (memory_bytes - prefetch_bytes) // self.entry_bytes
     n = self.num_samples
     self._owned = None
     if own_ids is not None:
@@ -242,16 +243,14 @@ class ActivationCache:
   def fits(self) -> float:
     """The fraction of this cache's samples (:meth:`num_owned`) that its
     budgets, memory and disk together, can hold (1: every one)."""
-    slots = self._resident_limit // self.entry_bytes + (
-        self._disk.slots if self._disk is not None else 0)
+    slots = self._memory_slots + (self._disk.slots if self._disk is not None else 0)
     return min(1.0, slots / max(self.num_owned, 1))
 
   def room(self) -> int:
     """How many new entries the budgets can still take (memory, then disk)."""
     self._settle()
     with self._lock:
-      memory = max(0, self._resident_limit // self.entry_bytes - len(self._memory))
-      return int(memory + len(self._free))
+      return max(0, self._memory_slots - len(self._memory)) + len(self._free)
 
   def cached_ids(self) -> np.ndarray:
     """The sorted IDs that have an entry (at any depth)."""
@@ -367,7 +366,7 @@ class ActivationCache:
       for i, sample_id in enumerate(ids.tolist()):
         tier = self._tier[sample_id]
         if tier == NONE:
-          if (len(self._memory) + 1) * self.entry_bytes <= self._resident_limit:
+          if len(self._memory) < self._memory_slots:
             tier = MEMORY
           elif self._free:
             tier, self._slot[sample_id] = DISK, self._free.pop()
@@ -549,8 +548,8 @@ class ActivationCache:
     in the tier new entries would go to now (a scratch round trip; nothing is
     cached), for the caching decision."""
     hidden = np.asarray(hidden, np.float32)
-    goes_to_memory = ((len(self._memory) + len(hidden)) * self.entry_bytes
-                      <= self._resident_limit) or self._disk is None
+    goes_to_memory = (len(self._memory) + len(hidden) <= self._memory_slots
+                      or self._disk is None)
     if not goes_to_memory:
       return self._disk.measure(hidden.astype(self.dtype))
     start = time.perf_counter()

@@ -51,12 +51,16 @@ class CachingDecision:
   # depth for a decision kept by :func:`keep_caching` (whose forward and
   # ``seconds_without`` are then lower bounds).
   measured_at: int | None = None
-  # The fraction of the samples the budgets hold, and of the batches that
-  # are then all hits (1 and 1 when every sample fits; checkpoints from
-  # before these fields restore as such).
+  # The fraction of the samples the budgets hold (1 when every sample fits;
+  # checkpoints from before these fields restore as such), and the samples
+  # of a batch on this process.
   fits: float = 1.0
-  all_hit_batches: float = 1.0
   batch_size: int = 1
+
+  @property
+  def all_hit_batches(self) -> float:
+    """The fraction of the batches whose every sample hits."""
+    return self.fits ** self.batch_size
 
   def describe(self) -> str:
     verdict = 'use the cache' if self.use_cache else 'run the prefix'
@@ -96,9 +100,8 @@ def decide_caching(num_frozen_layers: int, forward_seconds: float, read_seconds:
   """
   if epochs_ahead < 1:
     raise ValueError(f'epochs_ahead must be >= 1, got {epochs_ahead}')
-  fits = min(max(float(fits), 0.0), 1.0)
-  all_hits = fits ** max(int(batch_size), 1)
-  served = read_seconds + (1 - all_hits) * forward_seconds  # an epoch after the fill
+  fits, batch_size = min(max(float(fits), 0.0), 1.0), max(int(batch_size), 1)
+  served = read_seconds + (1 - fits ** batch_size) * forward_seconds  # an epoch after the fill
   without = epochs_ahead * forward_seconds
   if filled:
     with_cache = epochs_ahead * served
@@ -107,7 +110,7 @@ def decide_caching(num_frozen_layers: int, forward_seconds: float, read_seconds:
   use = num_frozen_layers > 0 and with_cache < without
   return CachingDecision(num_frozen_layers, use, forward_seconds, read_seconds, write_seconds,
                          epochs_ahead, filled, without, with_cache, num_frozen_layers,
-                         fits, all_hits, max(int(batch_size), 1))
+                         fits, batch_size)
 
 
 def keep_caching(previous: CachingDecision | None, num_frozen_layers: int,

@@ -110,15 +110,15 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
   initial = initial_pipeline_length or devices
   if devices % initial:
     raise ValueError(f'initial pipeline length {initial} does not divide {devices} devices')
-  units = 2 * num_layers + 2  # embedding, attention and MLP of every block, head
+  costs = autopipe.parameter_costs(
+      params, created.model.mlp_in_keys if created.model.can_split_mlp else (),
+      split_mlp_min_gain)
+  units = len(costs.costs)  # embedding, attention and MLP of every block, head
   if initial > units:
     fits = max(k for k in range(1, units + 1) if devices % k == 0)
     raise ValueError(f'a pipeline of {initial} stages needs as many units; {model_name} has '
                      f'{units} (embedding, 2 per block, head): pass --initial-pipeline-length '
                      f'{fits} or less (replicas take the other devices)')
-  costs = autopipe.parameter_costs(
-      params, created.model.mlp_in_keys if created.model.can_split_mlp else (),
-      split_mlp_min_gain)
   stage_plan = autopipe.compress(costs, frozen_layers, initial, initial, lambda_frozen)
   partition = stage_plan.partition
   k = partition.pipeline_length

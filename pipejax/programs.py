@@ -122,6 +122,7 @@ def unseal(data: bytes) -> bytes:
     raise ValueError('damaged: checksum mismatch')
   return body
 
+
 @functools.lru_cache(maxsize=None)
 def code_fingerprint() -> str:
   """A hash of the source of the packages whose functions are traced."""
