@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from pipejax import diskcache
 from pipejax.autocache import ActivationCache
 
 
@@ -49,8 +50,26 @@ def _epoch(cache, batches, values, work_seconds=0.0):
   return statistics.median(times)
 
 
+def _check(args) -> None:
+  """Bad flags as one ``ValueError`` line, before anything is written."""
+  for flag in ('batch', 'seq', 'hidden', 'batches'):
+    if getattr(args, flag) < 1:
+      raise ValueError(f'--{flag} must be at least 1, got {getattr(args, flag)}')
+  try:
+    os.makedirs(args.workdir, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f'cannot use --workdir={args.workdir}: {e.strerror or e}') from e
+  if not os.access(args.workdir, os.W_OK | os.X_OK):
+    raise ValueError(f'cannot use --workdir={args.workdir}: not writable')
+
+
 def main(argv=None) -> int:
   args = _parse(argv)
+  try:
+    _check(args)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   n = args.batch * args.batches
   shape = (args.seq, args.hidden)
   values = np.random.default_rng(0).normal(size=(n,) + shape).astype(np.float32)
@@ -97,10 +116,9 @@ def main(argv=None) -> int:
     print(f'{r["dtype"]:9} {r["tier"]:14} {r["write_ms"]:9.3f} {r["read_ms"]:8.3f} '
           f'{r["gather_in_memory_ms"]:9.3f} {r["write_mb_s"]:11.0f} {r["read_mb_s"]:10.0f} '
           f'{r["prefetched"]:10d}')
-  os.makedirs(args.workdir, exist_ok=True)
   out = os.path.join(args.workdir, 'bench_autocache.json')
-  with open(out, 'w') as f:
-    json.dump({'meta': vars(args), 'rows': rows}, f, indent=2)
+  diskcache.write_atomic(out, lambda f: json.dump({'meta': vars(args), 'rows': rows}, f,
+                                                  indent=2))
   print(f'wrote {out}')
   return 0
 

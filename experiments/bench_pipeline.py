@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from pipejax import runtime
+from pipejax import diskcache, runtime, schedule
 
 
 def _parse(argv):
@@ -39,15 +39,59 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
+def _ints(flag: str, text: str) -> list[int]:
+  """``text`` as a comma-separated list of positive integers."""
+  try:
+    values = [int(x) for x in text.split(',')]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise ValueError(f'{flag} must be a comma-separated list of positive integers, got {text!r}')
+  return values
+
+
+def _check(args) -> None:
+  """Bad flags as one ``ValueError`` line, before anything is built."""
+  for flag in ('layers', 'hidden', 'image_size', 'patch_size', 'batch', 'repeats', 'devices'):
+    if getattr(args, flag) < 1:
+      raise ValueError(f'--{flag.replace("_", "-")} must be at least 1, '
+                       f'got {getattr(args, flag)}')
+  if args.image_size % args.patch_size:
+    raise ValueError(f'--patch-size {args.patch_size} must divide --image-size '
+                     f'{args.image_size}')
+  heads = max(1, args.hidden // 32)
+  if args.hidden % heads:
+    raise ValueError(f'--hidden {args.hidden} must be a multiple of its {heads} attention '
+                     f'heads (one per 32)')
+  args.lengths = _ints('--lengths', args.lengths)
+  args.micro_batches = _ints('--micro-batches', args.micro_batches)
+  args.schedules = args.schedules.split(',')
+  for name in args.schedules:
+    if name not in schedule.SCHEDULES:
+      raise ValueError(f'--schedules: unknown schedule {name!r}; expected some of '
+                       f'{",".join(sorted(schedule.SCHEDULES))}')
+  try:
+    os.makedirs(args.workdir, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f'cannot use --workdir={args.workdir}: {e.strerror or e}') from e
+  if not os.access(args.workdir, os.W_OK | os.X_OK):
+    raise ValueError(f'cannot use --workdir={args.workdir}: not writable')
+
+
 def main(argv=None) -> int:
   args = _parse(argv)
+  try:
+    _check(args)
+  except ValueError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   runtime.setup(args.devices)
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: PLC0415
 
   import models  # noqa: PLC0415
-  from pipejax import partition as part, pipeline, schedule  # noqa: PLC0415
+  from pipejax import partition as part, pipeline  # noqa: PLC0415
 
   cfg = models.config_for('vit', hidden_size=args.hidden, num_hidden_layers=args.layers,
                           num_attention_heads=max(1, args.hidden // 32),
@@ -79,15 +123,17 @@ def main(argv=None) -> int:
         f' batch={args.batch} on {n} {devices[0].platform} devices', flush=True)
   header = f'{"K":>3} {"R":>3} {"M":>3} {"schedule":>8} {"step s":>9} {"plain s":>9} {"ratio":>7} {"bubble":>7}'
   print(header)
-  for k in [int(x) for x in args.lengths.split(',')]:
+  for k in args.lengths:
     if n % k:
       print(f'skip K={k}: does not divide {n} devices', file=sys.stderr)
       continue
     r = n // k
-    for name in args.schedules.split(','):
-      ms = sorted({max(1, k * int(f)) for f in args.micro_batches.split(',')})
+    for name in args.schedules:
+      ms = sorted({max(1, k * f) for f in args.micro_batches})
       for m in ms:
         if args.batch % (r * m):
+          print(f'skip K={k} M={m} {name}: --batch {args.batch} is not divisible by '
+                f'{r} replicas x {m} micro-batches', file=sys.stderr)
           continue
         partition = part.even(model.num_layers, k)
         plan = pipeline.Plan(partition, r, m, name)
@@ -110,13 +156,14 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f'{k:>3} {r:>3} {m:>3} {name:>8} {step_s:>9.4f} {plain_s:>9.4f} '
               f'{row["ratio_to_plain_dp"]:>7.3f} {bubble:>7.3f}', flush=True)
-  os.makedirs(args.workdir, exist_ok=True)
+  if not rows:
+    print('error: no row could run: see the lines above', file=sys.stderr)
+    return 2
   out = os.path.join(args.workdir, 'bench_pipeline.json')
   meta = dict(model='vit', layers=args.layers, hidden=args.hidden, batch=args.batch,
               devices=n, platform=devices[0].platform, repeats=args.repeats,
               measured='loss and gradients of one global batch (no optimizer update)')
-  with open(out, 'w') as f:
-    json.dump({'meta': meta, 'rows': rows}, f, indent=2)
+  diskcache.write_atomic(out, lambda f: json.dump({'meta': meta, 'rows': rows}, f, indent=2))
   print(f'wrote {out}')
   return 0
 

@@ -60,7 +60,7 @@ def _bench(config, workdir: str) -> int:
     config.checkpoint.enabled = False
     config.cache.enabled = False
   elastic.check_config(config, len(jax.devices()))
-  elastic.check_workdir(workdir, checkpoints_enabled=False)
+  elastic.check_workdir(workdir, checkpoints_enabled=False, files=('bench_plans.json',))
   data = elastic.resolve_data(config)
   created = elastic.resolve_model(config, data)
   model = created.model

@@ -214,16 +214,18 @@ def resolve_data(config, task: str = 'vit'):
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
 
 
-def check_workdir(workdir: str, checkpoints_enabled: bool) -> None:
+def check_workdir(workdir: str, checkpoints_enabled: bool,
+                  files: tuple[str, ...] = RUN_FILES) -> None:
   """Creates ``workdir`` if needed; the paths of the outputs it will write
-  must be free or of the right kind (before training, not at the first save)."""
+  (``files``, and ``checkpoints/`` when enabled) must be free or of the right
+  kind (before training, not at the first save)."""
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise ConfigError(f'cannot use --workdir={workdir}: {e.strerror or e}') from e
   if not os.access(workdir, os.W_OK | os.X_OK):
     raise ConfigError(f'cannot use --workdir={workdir}: not writable')
-  outputs = [(name, False) for name in RUN_FILES]
+  outputs = [(name, False) for name in files]
   for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
     path = os.path.join(workdir, name)
     if os.path.exists(path) and os.path.isdir(path) != is_dir:

@@ -328,15 +328,18 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
 
 
 def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_path):
-  """A workdir that is a file, or whose summary path is a folder: one line,
+  """A workdir that is a file, or where an output's path is a folder: one line,
   exit 2, before the data and model load (not a traceback after training)."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
   (tmp_path / 'afile').write_text('x')
   (tmp_path / 'busy' / 'summary.json').mkdir(parents=True)
+  (tmp_path / 'busy' / 'bench_plans.json').mkdir()
   cases = [('plain_dp', 'afile', 'cannot use --workdir='),
            ('bench_plans', 'afile', 'cannot use --workdir='),
            ('plain_dp', 'busy', 'summary.json is a directory, where the run writes its file'),
+           # bench_plans writes no summary.json: only its own file is checked.
+           ('bench_plans', 'busy', 'bench_plans.json is a directory, where the run writes its'),
            ('bench_plans', 'fresh', "data.name must be 'auto', 'imagenet2012' or 'digits'")]
   for module, workdir, message in cases:
     args = ['--config.train.epochs=1', '--config.train.max_steps_per_epoch=1']
