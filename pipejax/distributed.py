@@ -280,9 +280,11 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   who = f'process {process_id}' if process_id is not None else 'this process'
   log = f' (runtime log: {crash_log})' if crash_log else ''
   if any(b'RegisterTask' in line for line in swallowed):  # never joined
+    ranks = ('' if auto else f', each with its own distributed.process_id in '
+             f'0..{settings.num_processes - 1}')
     print(f'error: {who} could not join the job at {settings.coordinator} within '
-          f'{settings.initialization_timeout_seconds}s: start the same command on every host '
-          f'(process 0 serves the coordinator; check its address and port){log}',
+          f'{settings.initialization_timeout_seconds}s: start the same command on every '
+          f'host{ranks} (process 0 serves the coordinator; check its address and port){log}',
           file=sys.stderr, flush=True)
     return 3
   print(f'error: {who} stopped: another process of the job died or stopped '

@@ -331,7 +331,8 @@ def test_a_process_that_cannot_join_says_so_in_one_line(tmp_path):
       timeout=120)
   assert done.returncode == 3
   assert done.stderr.strip().splitlines()[-1].startswith(
-      f'error: process 1 could not join the job at localhost:{port} within 3s'), done.stderr
+      f'error: process 1 could not join the job at localhost:{port} within 3s: start the same '
+      'command on every host, each with its own distributed.process_id in 0..1 '), done.stderr
   assert 'Check failure stack trace' not in done.stderr
 
 
