@@ -226,11 +226,21 @@ def test_without_advance_fn_stale_entries_are_recomputed_and_counted():
   cache.advance(2)
   cache.fetch(ids, fake.compute_fn(ids, 2))
   cache.advance(5)
+  assert (cache.stats()['hits'], cache.stats()['misses']) == (0, 8)
   got = cache.fetch(ids, fake.compute_fn(ids, 5))  # no advance_fn
   np.testing.assert_array_equal(got, fake.direct(ids, 5))
+  # The stale entries were computed again: misses, not hits.
+  assert (cache.stats()['hits'], cache.stats()['misses']) == (0, 16)
+  cache.fetch(ids, fake.compute_fn(ids, 5))
+  assert (cache.stats()['hits'], cache.stats()['misses']) == (8, 16)
   assert cache.stats()['layer_passes'] == fake.passes.sum() == 8 * 7
   assert cache.stats()['repeated_layer_passes'] == 8 * 2
   np.testing.assert_array_equal(cache.repeated_samples(), ids)
+  # With an advance_fn the stale entries are advanced: neither hits nor misses.
+  cache.advance(6)
+  cache.fetch(ids[:5], fake.compute_fn(ids[:5], 6), fake.advance_fn)
+  stats = cache.stats()
+  assert (stats['hits'], stats['misses'], stats['advanced']) == (8, 16, 5)
 
 
 def test_real_vit_prefix_through_the_cache(tmp_path):
@@ -682,6 +692,16 @@ def test_a_host_caches_only_its_own_samples(tmp_path):
   cache = make_cache(tmp_path, num_samples=n, memory_bytes=0, disk_bytes=1 << 20, depth=3,
                      own_ids=mine)
   np.testing.assert_array_equal(cache.cached_ids(), mine)  # the other host's records dropped
+  # What fits is counted over the host's own samples: a budget of exactly
+  # len(mine) entries holds them all (over all n it would be half).
+  exact = make_cache(tmp_path / 'exact', num_samples=n, memory_bytes=len(mine) * ENTRY,
+                     own_ids=mine)
+  assert exact.fits() == 1.0 and exact.room() == len(mine)
+  half = make_cache(tmp_path / 'half', num_samples=n, memory_bytes=len(mine) // 2 * ENTRY,
+                    own_ids=mine)
+  assert half.fits() == pytest.approx((len(mine) // 2) / len(mine))
+  exact.close()
+  half.close()
   loader = Loader(ArraySource({'x': np.arange(n)}), 5, seed=1, ids=mine)
   for epoch in range(2):
     cache.prefetch(loader.batch_ids(epoch))

@@ -122,6 +122,14 @@ def test_compression_follows_eq2():
   assert autopipe.compress(costs, 7, 8, 8, 1.0).partition.pipeline_length == 2
   # Never grows.
   assert autopipe.compress(costs, 5, 2, 8, 0.05).partition.pipeline_length == 2
+  # A candidate *equal* to the T=0 proxy is within it (Eq. 2's ≤): 4 frozen blocks
+  # with λ=0: 8 sub-layers + head over 4 stages, 2+2 | 2+2 | 2+2 | 2+2+1 → max 5 = 5,
+  # K=4; over 2 stages ≥ 8.5 → stop.
+  plan = autopipe.compress(costs, 4, 8, 8, 0.0)
+  assert (plan.partition.pipeline_length, plan.memory_proxy) == (4, pytest.approx(5.0))
+  # And down to one stage: 7 frozen leave 2 sub-layers + head = 5 ≤ 5 → K=1.
+  plan = autopipe.compress(costs, 7, 8, 8, 0.0)
+  assert (plan.partition.pipeline_length, plan.memory_proxy) == (1, pytest.approx(5.0))
 
 
 def test_partition_has_active_units_only():
@@ -136,6 +144,10 @@ def test_partition_has_active_units_only():
 def test_micro_batch_candidates():
   assert autopipe.micro_batch_candidates(4, 32) == [4, 8, 16]
   assert autopipe.micro_batch_candidates(1, 8) == [1, 2, 4]
+  # Up to 6K, inclusive.
+  assert autopipe.micro_batch_candidates(1, 6) == [1, 2, 3, 6]
+  assert autopipe.micro_batch_candidates(2, 12) == [2, 4, 6, 12]
+  assert autopipe.micro_batch_candidates(2, 14) == [2]  # 14 > 6K: not a candidate
   # No multiple of K divides: divisors between K and 6K, else the largest below K.
   assert autopipe.micro_batch_candidates(8, 12) == [12]
   assert autopipe.micro_batch_candidates(8, 60) == [10, 12, 15, 20, 30]

@@ -49,7 +49,18 @@ def test_eq1_bound_smaller_and_cap_and_never_unfreeze():
   for _ in range(5):  # capped at L - min_active = 2
     d = policy.decide(np.array([9.0, 0.0, 9.0, 0.1]))
     assert d.result == 2
+    assert d.bound == 2.0  # the recorded bound is capped too (uncapped: 2.04 + 0.3·1.96 …)
   assert [h.result for h in policy.state.history] == [1, 2, 2, 2, 2, 2, 2]
+
+
+def test_an_argmin_equal_to_the_alpha_count_keeps_the_real_valued_bound():
+  # Eq. 1 takes the argmin's count only when it is *smaller*; on a tie the α
+  # term's real-valued bound carries over to the next timestep.
+  policy = freeze.FreezePolicy('pipetransformer', 8, 0.3)
+  d = policy.decide(np.array([5.0, 0.1, 3, 3, 3, 3, 3, 3]))  # bound 2.4 → 2; argmin 1 → 2
+  assert (d.result, d.argmin, d.bound) == (2, 1, pytest.approx(2.4))
+  d = policy.decide(np.array([0.0, 0.0, 3, 3, 3, 3, 3, 0.1]))  # 2.4 + 0.3·5.6 = 4.08 → 4
+  assert (d.result, d.argmin, d.bound) == (4, 7, pytest.approx(4.08))
 
 
 def test_argmin_at_first_active_layer_freezes_one_more():

@@ -446,6 +446,30 @@ def test_write_atomic_replaces_whole_or_leaves_the_old_file(tmp_path, sync):
   assert sorted(os.listdir(tmp_path)) == ['state.json']
 
 
+@pytest.mark.parametrize('sync', [True, False])
+def test_write_atomic_syncs_the_data_before_the_rename_when_asked(tmp_path, monkeypatch, sync):
+  """With ``sync`` the new file's data reach the disk before it replaces the
+  old one (else a machine crash can leave an empty file under the name)."""
+  from pipejax import diskcache
+  calls = []
+  real_fsync, real_replace = os.fsync, os.replace
+
+  def fsync(fd):
+    calls.append(('fsync', os.readlink(f'/proc/self/fd/{fd}')))
+    real_fsync(fd)
+
+  def replace(src, dst):
+    calls.append(('replace', str(src)))
+    real_replace(src, dst)
+
+  monkeypatch.setattr(diskcache.os, 'fsync', fsync)
+  monkeypatch.setattr(diskcache.os, 'replace', replace)
+  diskcache.write_atomic(str(tmp_path / 'state.json'), lambda f: f.write('new'), sync=sync)
+  tmp = calls[-1][1]
+  assert calls == ([('fsync', tmp), ('replace', tmp)] if sync else [('replace', tmp)])
+  assert tmp.endswith('.tmp') and open(tmp_path / 'state.json').read() == 'new'
+
+
 def test_stale_temporary_files_of_the_named_files_only_are_removed(tmp_path):
   """A killed writer's ``*.tmp`` goes once it is stale; a live writer's, and
   in a user's folder (``of``) every file not of the run's, stay."""

@@ -61,7 +61,7 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
   through newly frozen blocks may differ from a fresh forward in the last
   bit, see the next test.)"""
   reference = str(tmp_path / 'reference')
-  elastic.run(_config(str(tmp_path / 'p-ref.json')), reference, task='vit')
+  reference_summary = elastic.run(_config(str(tmp_path / 'p-ref.json')), reference, task='vit')
   expected = _rows(reference)
   assert [r['frozen_layers'] for r in expected] == [0, 1, 2]
 
@@ -87,6 +87,11 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
     assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}
   assert summary['final_eval_accuracy'] == expected[-1]['eval_accuracy']
   assert len(summary['freeze_decisions']) == 2 and len(summary['transitions']) == 2
+  # Eq. 1's gradient-norm sums, restored mid-epoch, give the same decisions' inputs.
+  assert [d['norms'] for d in summary['freeze_decisions']] == [
+      d['norms'] for d in reference_summary['freeze_decisions']]
+  assert all(d['norms'] and min(d['norms'][d['previous']:]) > 0
+             for d in summary['freeze_decisions'])
 
   # Saved on 8 devices (K=2, R=4), resumed on 4: the plan is recomputed for
   # F=1 on them (R=2); the maths is the same, only the reduction order differs.

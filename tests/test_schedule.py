@@ -60,6 +60,13 @@ def test_validator_rejects_violated_dependencies():
   bad_mb[1, 0] = 0
   with pytest.raises(S.ScheduleError, match='runs twice'):
     S.validate(S.Schedule('bad', bad_ops, bad_mb))
+  # A backward that never runs (its FWD does): every op must run.
+  t, st = np.argwhere(ops == 2)[-1]
+  bad_ops, bad_mb = ops.copy(), mb.copy()
+  m = bad_mb[t, st]
+  bad_ops[t, st], bad_mb[t, st] = 0, -1
+  with pytest.raises(S.ScheduleError, match=f'BWD of micro-batch {m} never runs on stage {st}'):
+    S.validate(S.Schedule('bad', bad_ops, bad_mb))
   # BWD before FWD on the same stage.
   with pytest.raises(S.ScheduleError, match='precedes its FWD'):
     S.validate(S.Schedule('bad', ops[::-1].copy(), mb[::-1].copy()))

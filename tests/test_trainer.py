@@ -237,6 +237,65 @@ def test_a_checkpoint_restores_a_split_mlp_partition():
   assert whole.plan.partition.stage_sizes == trainer.plan.partition.stage_sizes
 
 
+def test_restore_brings_back_rng_norm_accumulators_and_sums_and_a_decision_resets_them():
+  """A checkpoint's portable state restored into a fresh trainer is the saved
+  one bit for bit: the dropout RNG, the gradient-norm accumulators of Eq. 1 and
+  the running sums too (all three feed what comes after the resume). A freeze
+  decision starts the next timestep's accumulators from zero."""
+  config = _config(policy='pipetransformer', alpha=0.25, initial_length=2, micro_batches=2)
+  trainer, _ = _trainer(config)
+  trainer.train_epoch(0, _Bar())
+  saved = trainer.portable_state()
+  assert float(np.abs(np.asarray(saved['layer_norms'])).min()) > 0
+  meta = trainer.checkpoint_meta(0, 4, True)
+  fresh, _ = _trainer(config)
+  as_bytes = lambda tree: [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]  # noqa: E731
+  assert as_bytes(fresh.portable_state()['rng']) != as_bytes(saved['rng'])
+  fresh.restore(saved, meta)
+  assert as_bytes(fresh.portable_state()) == as_bytes(saved)
+  # The decision takes this timestep's norms, then zeroes them.
+  norms = np.asarray(saved['layer_norms'])
+  trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
+  np.testing.assert_array_equal(trainer.policy.state.history[-1].norms, norms)
+  assert not np.asarray(trainer.state['layer_norms']).any()
+  # And the restored trainer decides the same from the same accumulators.
+  fresh.maybe_transition(0, next(iter(fresh.train_loader.epoch(0)))[1])
+  assert fresh.policy.state.history[-1] == trainer.policy.state.history[-1]
+
+
+def test_micro_batches_are_profiled_round_robin_after_an_untimed_round_fastest_wins(tmp_path):
+  """Profiling M: each candidate once untimed (its compile and first run),
+  then ``PROFILE_ROUNDS`` timed rounds, in turns; the candidate whose fastest
+  timed step is the fastest is chosen, remembered and no longer profiled."""
+  config = _config(initial_length=2, micro_batches=0)
+  with config.unlocked():
+    config.pipeline.profile_path = str(tmp_path / 'profile.json')
+    config.train.batch_size = 32
+  trainer, _ = _trainer(config)
+  plan = trainer.plan
+  candidates = trainer.micro_batch_candidates(plan)
+  assert candidates == [2, 4, 8]  # K=2, R=4: 8 samples per replica
+  rounds = trainer_lib.PROFILE_ROUNDS
+  # Timings made up: M=4 has the fastest single step (a slow spell hit its
+  # other one), M=2 the fastest mean; the minimum counts.
+  made_up = {2: [0.30, 0.30], 4: [0.90, 0.20], 8: [0.25, 0.25]}
+  turns, timed_so_far = [], {m: 0 for m in candidates}
+  for _ in range(len(candidates) * (rounds + 1)):  # as the training loop does
+    m, timed = trainer._next_micro_batches(plan)  # noqa: SLF001
+    turns.append((m, timed))
+    if timed:
+      assert trainer.profile.get(2) is None  # not chosen before every timing is in
+      trainer._record_timing(dataclasses.replace(plan, micro_batches=m),  # noqa: SLF001
+                             made_up[m][timed_so_far[m]])
+      timed_so_far[m] += 1
+  assert turns == [(m, r > 0) for r in range(rounds + 1) for m in candidates]
+  assert trainer.profile.get(2) == 4
+  assert trainer.micro_batch_timings[2] == {2: 0.30, 4: 0.20, 8: 0.25}
+  assert trainer._next_micro_batches(plan) == (4, False)  # noqa: SLF001
+  with open(tmp_path / 'profile.json') as f:
+    assert '"micro_batches": 4' in f.read()
+
+
 def test_policy_none_is_a_static_pipeline():
   trainer, _ = _trainer(_config(policy='none', initial_length=8, micro_batches=8))
   plan = trainer.plan
