@@ -327,11 +327,15 @@ def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: 
 
 
 def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
-             initial_pipeline_length: int, lambda_frozen: float) -> StagePlan:
+             initial_pipeline_length: int, lambda_frozen: float,
+             num_devices: int | None = None) -> StagePlan:
   """Algorithm 1 lines 25-33: halve K while the memory proxy stays within the
   largest stage at T = 0 (Eq. 2). Starts from the current ``pipeline_length``
   and never grows it; a length above the number of active units is halved
-  first, whatever the memory."""
+  first, whatever the memory. With ``num_devices``, a length that does not
+  divide them (an odd length halved because of too few units: 5 → 2 on 5
+  devices) becomes the largest one below it that does, so that R = N / K
+  replicas take every device."""
   # K is decided on whole sub-layers, the reference and the candidates alike:
   # a split MLP lowers the parameters a stage owns, not what its device
   # stores (the stage layout is dense; see pipejax.partition), so it must
@@ -348,6 +352,8 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
     if candidate.memory_proxy > reference + 1e-6:
       break
     k //= 2
+  if num_devices is not None and num_devices % k:
+    k = max(d for d in range(1, k + 1) if num_devices % d == 0)
   return partition_for(costs, num_frozen_layers, k, lambda_frozen)
 
 

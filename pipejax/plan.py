@@ -119,7 +119,8 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
     raise ValueError(f'a pipeline of {initial} stages needs as many units; {model_name} has '
                      f'{units} (embedding, 2 per block, head): pass --initial-pipeline-length '
                      f'{fits} or less (replicas take the other devices)')
-  stage_plan = autopipe.compress(costs, frozen_layers, initial, initial, lambda_frozen)
+  stage_plan = autopipe.compress(costs, frozen_layers, initial, initial, lambda_frozen,
+                                 num_devices=devices)
   partition = stage_plan.partition
   k = partition.pipeline_length
   replicas = devices // k

@@ -231,7 +231,12 @@ class Trainer:
     min_active = c.freeze.min_active_layers
     if not c.freeze.compress:
       # A static pipeline of length K needs K active units: 2·(L − F) + 1 ≥ K.
-      min_active = max(min_active, math.ceil((c.pipeline.initial_length - 1) / 2))
+      needed = math.ceil((c.pipeline.initial_length - 1) / 2)
+      if needed > min_active and c.freeze.policy != 'none':
+        log(f'freeze: at least {needed} blocks stay trainable (freeze.min_active_layers='
+            f'{min_active}): with freeze.compress=False the {c.pipeline.initial_length} '
+            f'stages need a unit each')
+      min_active = max(min_active, needed)
     self.policy = freeze.FreezePolicy(c.freeze.policy, model.num_layers, c.freeze.alpha,
                                       min(min_active, model.num_layers))
     self.costs = autopipe.parameter_costs(
@@ -896,11 +901,8 @@ class Trainer:
       partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
     else:
       partition = autopipe.compress(self.costs, num_frozen, k, self.initial_length,
-                                    c.lambda_frozen).partition
+                                    c.lambda_frozen, num_devices=self.num_devices).partition
       k = partition.pipeline_length
-      if self.num_devices % k:  # forced halving of an odd length: largest divisor instead
-        k = max(d for d in range(1, k + 1) if self.num_devices % d == 0)
-        partition = autopipe.partition_for(self.costs, num_frozen, k, c.lambda_frozen).partition
     if (k == old.pipeline_length and not old.has_embed
         and self.config.freeze.get('keep_slot_width', False)):
       # Same K: keep the slot width, so the step compiled for it runs on. Off

@@ -122,6 +122,12 @@ def test_compression_follows_eq2():
   assert autopipe.compress(costs, 7, 8, 8, 1.0).partition.pipeline_length == 2
   # Never grows.
   assert autopipe.compress(costs, 5, 2, 8, 0.05).partition.pipeline_length == 2
+  # An odd length halved for want of units may not divide the devices: 7 frozen
+  # leave 3 units, and on 5 devices K = 5 → 2 becomes 1, the largest length
+  # that divides 5. (6 frozen leave 5 units: K = 6 → 3 divides 6 devices.)
+  assert autopipe.compress(costs, 7, 5, 5, 1.0).partition.pipeline_length == 2
+  assert autopipe.compress(costs, 7, 5, 5, 1.0, num_devices=5).partition.pipeline_length == 1
+  assert autopipe.compress(costs, 6, 6, 6, 1.0, num_devices=6).partition.pipeline_length == 3
   # A candidate *equal* to the T=0 proxy is within it (Eq. 2's ≤): 4 frozen blocks
   # with λ=0: 8 sub-layers + head over 4 stages, 2+2 | 2+2 | 2+2 | 2+2+1 → max 5 = 5,
   # K=4; over 2 stages ≥ 8.5 → stop.
@@ -346,6 +352,11 @@ def test_plan_cli_vit_b16():
                                        r'26 .*--initial-pipeline-length 16 or less'):
     plan_lib.build_plan('vit-b16', 64, 0)
   assert plan_lib.build_plan('vit-b16', 64, 0, initial_pipeline_length=16)['replicas'] == 4
+  # 5 devices, 11 of 12 blocks frozen: 3 active units halve K = 5 to 2, which does
+  # not divide 5 devices; the trainer then runs K = 1 on 5 replicas, and so
+  # does the plan (not K = 2 on 2 replicas, one device idle).
+  odd = plan_lib.build_plan('vit-b16', 5, 11)
+  assert (odd['pipeline_length'], odd['replicas']) == (1, 5)
 
 
 def _plan_cli(*args):

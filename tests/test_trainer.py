@@ -296,6 +296,30 @@ def test_micro_batches_are_profiled_round_robin_after_an_untimed_round_fastest_w
     assert '"micro_batches": 4' in f.read()
 
 
+def test_without_compression_k_stays_and_enough_blocks_stay_trainable_for_it():
+  """``freeze.compress=False`` (the breakdown's ``freeze`` variant): K never
+  changes, so at least ⌈(K − 1)/2⌉ blocks stay trainable (2·active + head ≥ K
+  units), which the run says at its start."""
+  config = _config(alpha=0.75, initial_length=4, micro_batches=4)
+  with config.unlocked():
+    config.freeze.compress = False
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+  loader = Loader(ArraySource(data), 16, seed=0)
+  lines = []
+  trainer = Trainer(created.model, created.params, config, '/nonexistent', loader, loader,
+                    log=lines.append)
+  assert ('freeze: at least 2 blocks stay trainable (freeze.min_active_layers=1): with '
+          'freeze.compress=False the 4 stages need a unit each') in lines
+  sample = next(iter(loader.epoch(0)))[1]
+  for epoch in range(2):  # the α bound alone: 3, then 3.75; capped at L − 2 = 2
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+    assert trainer.plan.partition.num_frozen_layers == 2
+    assert (trainer.plan.pipeline_length, trainer.plan.replicas) == (4, 2)
+    assert len(trainer.plan.partition.active_units) == 2 * 2 + 1
+
+
 def test_policy_none_is_a_static_pipeline():
   trainer, _ = _trainer(_config(policy='none', initial_length=8, micro_batches=8))
   plan = trainer.plan
