@@ -613,12 +613,16 @@ def run(config, workdir: str | None, task: str,
   if isinstance(train_loader, ShardedLoader):
     _write_served_ids(workdir, train_loader, eval_loader, trainer.prefix.local_stats())
   rows = result['rows']
+  process_seconds = time.perf_counter() - start
   summary = {
       'mode': mode, 'task': task, 'data': data.name, 'config': config.to_dict(),
       'devices': len(devices), 'platform': devices[0].platform,
       'num_layers': model.num_layers,
-      'total_seconds': time.perf_counter() - start,
-      'train_seconds': result['seconds'],
+      # A resumed run's times count its earlier processes up to the checkpoint
+      # resumed from, as its rows' wall_seconds do; process_seconds is this one's.
+      'total_seconds': trainer.seconds_before + process_seconds,
+      'train_seconds': trainer.seconds_before + result['seconds'],
+      'process_seconds': process_seconds,
       'final_eval_accuracy': rows[-1]['eval_accuracy'],
       'best_eval_accuracy': max(r['eval_accuracy'] for r in rows),
       'final_eval': {k: v for k, v in rows[-1].items()
@@ -638,7 +642,8 @@ def run(config, workdir: str | None, task: str,
     # nothing and writes nothing), so it comes last.
     reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
     reporting.write_summary(workdir, summary)
-  _log(f'done in {summary["total_seconds"]:.1f}s: final eval accuracy '
+  resumed = (f' ({process_seconds:.1f}s in this process)' if trainer.seconds_before else '')
+  _log(f'done in {summary["total_seconds"]:.1f}s{resumed}: final eval accuracy '
        f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '
        f'outputs in {workdir}')
   return summary

@@ -567,6 +567,13 @@ class Trainer:
     self.log(f'resumed at step {meta["step"]} (epoch {meta["epoch"]}, '
              f'{meta["step_in_epoch"]}/{self.steps_per_epoch} batches): {self.plan.describe()}')
 
+  @property
+  def seconds_before(self) -> float:
+    """The seconds the run's earlier processes counted up to the checkpoint
+    this one resumed from (0 for a fresh run): its rows' ``wall_seconds``
+    and the summary's times go on from there."""
+    return self._wall_offset
+
   def close(self) -> None:
     """Stops the background compiles (a started preparation stops at its
     next compile) and closes the activation cache; :meth:`run` ends with it."""

@@ -87,6 +87,12 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
     assert {k: got[k] for k in EXACT} == {k: want[k] for k in EXACT}
   assert summary['final_eval_accuracy'] == expected[-1]['eval_accuracy']
   assert len(summary['freeze_decisions']) == 2 and len(summary['transitions']) == 2
+  # Its times go on from the earlier processes' (as the rows' wall_seconds do),
+  # not from this process's start alone.
+  assert reference_summary['total_seconds'] == reference_summary['process_seconds']
+  assert summary['total_seconds'] >= rows[-1]['wall_seconds'] > rows[0]['wall_seconds']
+  assert summary['total_seconds'] - summary['process_seconds'] >= rows[0]['wall_seconds']
+  assert summary['train_seconds'] > summary['total_seconds'] - summary['process_seconds']
   # Eq. 1's gradient-norm sums, restored mid-epoch, give the same decisions' inputs.
   assert [d['norms'] for d in summary['freeze_decisions']] == [
       d['norms'] for d in reference_summary['freeze_decisions']]
