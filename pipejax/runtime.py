@@ -30,6 +30,7 @@ def setup(cpu_devices: int = 8) -> None:
   warnings.filterwarnings('ignore', message='Some donated buffers were not usable')
   from absl import logging as absl_logging  # noqa: PLC0415
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
+  absl_logging.get_absl_logger().addFilter(_quiet_orbax_tmp_metadata)
   import jax  # noqa: PLC0415 - must follow the environment set-up above
   cache = os.environ.get('PIPEJAX_COMPILATION_CACHE',
                          os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'jax'))
@@ -41,6 +42,15 @@ def setup(cpu_devices: int = 8) -> None:
     # per transition (step, move, prefix, advance, portable state) that each
     # compile in 0.2-0.8 s on a CPU, and reading one back takes ~0.1 s.
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+def _quiet_orbax_tmp_metadata(record) -> bool:
+  """Drops orbax's warning that a checkpoint still being written has no
+  metadata file yet (its metadata update reads the file first; seen once when
+  a stop request's save raced it). The save completes; nothing is wrong."""
+  message = record.getMessage()
+  return not (message.startswith('Metadata file does not exist:')
+              and '.orbax-checkpoint-tmp' in message)
 
 
 @contextlib.contextmanager

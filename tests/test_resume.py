@@ -621,3 +621,20 @@ def test_a_signal_after_the_last_step_says_the_run_finished(monkeypatch, capsys)
   monkeypatch.setattr(elastic, 'run', lambda *a, **k: {})
   assert elastic.main(None, None, task='vit') == 0  # no signal: no such line
   assert 'the signal came' not in capsys.readouterr().out
+
+
+def test_orbax_warning_about_a_checkpoint_still_being_written_is_dropped_only():
+  """The entry points' set-up drops orbax's "Metadata file does not exist" for
+  a checkpoint's temporary folder (a save still in progress), no other warning."""
+  script = ('from pipejax import runtime; runtime.setup()\n'
+            'from absl import logging\n'
+            "logging.warning('Metadata file does not exist: %s', "
+            "'/w/checkpoints/64.orbax-checkpoint-tmp/_CHECKPOINT_METADATA')\n"
+            "logging.warning('Metadata file does not exist: %s', '/w/checkpoints/64/_METADATA')\n"
+            "logging.warning('another warning')\n")
+  out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert out.returncode == 0, out.stderr
+  assert 'orbax-checkpoint-tmp' not in out.stderr
+  assert 'Metadata file does not exist: /w/checkpoints/64/_METADATA' in out.stderr
+  assert 'another warning' in out.stderr
