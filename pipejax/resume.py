@@ -26,6 +26,7 @@ import hashlib
 import json
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (the same command resumes)
@@ -92,7 +93,10 @@ class StopOnSignal:
   """While active, the first SIGTERM or SIGINT asks training to stop after
   the current step (:attr:`requested`, polled by the trainer, which then
   saves and raises :class:`pipejax.trainer.TrainingInterrupted`); a second
-  one raises ``KeyboardInterrupt`` at once. Outside the main thread it does
+  one raises ``KeyboardInterrupt`` at once. The same signal again within
+  :attr:`SAME_DELIVERY_SECONDS` counts as the first one: a tool that signals
+  both the process and its group (GNU ``timeout`` does) delivers it twice at
+  once, which must not abort the save. Outside the main thread it does
   nothing (Python delivers signals to the main thread only).
 
   Args:
@@ -100,10 +104,12 @@ class StopOnSignal:
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  SAME_DELIVERY_SECONDS = 0.1  # far below a person's two presses of Ctrl-C
 
   def __init__(self, log: Callable[[str], None] = print):
     self.log = log
     self.requested = False
+    self._first: tuple[int, float] | None = None  # the first signal and when
     self._previous: dict[int, Any] = {}
 
   def __call__(self) -> bool:
@@ -111,11 +117,15 @@ class StopOnSignal:
 
   def _handle(self, signum, frame) -> None:  # noqa: ARG002
     name = signal.Signals(signum).name
+    now = time.monotonic()
+    if (self._first is not None and self._first[0] == signum
+        and now - self._first[1] < self.SAME_DELIVERY_SECONDS):
+      return  # the first signal delivered twice, not a second one
     if self.requested:
       for s in self.SIGNALS:  # a third signal gets the default behaviour
         signal.signal(s, signal.SIG_DFL)
       raise KeyboardInterrupt(f'second signal ({name})')
-    self.requested = True
+    self.requested, self._first = True, (signum, now)
     self.log(f'{name}: finishing the current step, saving a checkpoint, then exiting with code '
              f'{EXIT_INTERRUPTED} (a second signal aborts at once)')
 

@@ -535,6 +535,29 @@ def test_first_signal_asks_to_stop_second_aborts():
   assert signal.getsignal(signal.SIGTERM) is before  # restored
 
 
+def test_one_signal_delivered_twice_at_once_is_one_request(monkeypatch):
+  """GNU ``timeout`` signals the run and its process group: the same SIGTERM
+  arrives twice within microseconds. That is one stop request (the save goes
+  on); the same signal later, or another one, still aborts."""
+  clock = [100.0]
+  monkeypatch.setattr(resume.time, 'monotonic', lambda: clock[0])
+  messages = []
+  with resume.StopOnSignal(messages.append) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    clock[0] += 0.001
+    os.kill(os.getpid(), signal.SIGTERM)  # the group's copy: no abort
+    assert stop() and len(messages) == 1
+    clock[0] += resume.StopOnSignal.SAME_DELIVERY_SECONDS
+    with pytest.raises(KeyboardInterrupt, match='second signal'):
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(1)  # the handler runs between bytecodes; never reached
+  with resume.StopOnSignal(messages.append):
+    os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt, match='second signal'):
+      os.kill(os.getpid(), signal.SIGTERM)  # another signal at once: aborts
+      time.sleep(1)
+
+
 def _cli(workdir, profile, log):
   """The real CLI in a subprocess (this worktree first on the path, the
   tests' compilation cache)."""
