@@ -212,6 +212,7 @@ def resolve_data(config, task: str = 'vit'):
 
 #: The files a run writes into its workdir (beside ``checkpoints/``).
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
+LOCK_FILE = '.lock'  # held by the run writing the workdir (claim_workdir)
 
 
 def check_workdir(workdir: str, checkpoints_enabled: bool,
@@ -499,8 +500,40 @@ def run(config, workdir: str | None, task: str,
   count changed); ``config.resume=False`` starts over, removing the old
   outputs. ``stop_requested`` is polled after every step (see
   :class:`pipejax.resume.StopOnSignal`): when True the run saves and raises
-  :class:`pipejax.trainer.TrainingInterrupted`.
+  :class:`pipejax.trainer.TrainingInterrupted`. The workdir is claimed for
+  the run (:func:`claim_workdir`): a second run started on it meanwhile is
+  refused.
   """
+  held: list[diskcache.FolderLock] = []
+  try:
+    return _run(config, workdir, task, stop_requested, held)
+  finally:
+    for lock in held:
+      lock.release()
+
+
+def claim_workdir(workdir: str, log: Callable[[str], None] = print
+                  ) -> diskcache.FolderLock | None:
+  """Claims ``workdir`` for this process (``<workdir>/.lock``, per process
+  ``.lock.process_<i>`` in a job of several): another live run on it is a
+  :class:`ConfigError` naming it. Two runs writing one workdir would mix
+  their rows and checkpoints. None (with a warning) where the file system
+  cannot lock."""
+  name = LOCK_FILE if jax.process_count() == 1 else f'{LOCK_FILE}.process_{jax.process_index()}'
+  try:
+    return diskcache.FolderLock(os.path.join(workdir, name))
+  except diskcache.InUseError as e:
+    raise ConfigError(f'--workdir={workdir} is in use by another run ({e}): wait for it to '
+                      f'end or stop it, or use another --workdir') from None
+  except OSError as e:
+    log(f'warning: cannot lock {os.path.join(workdir, name)} ({e.strerror or e}): nothing '
+        f'keeps another run from writing into {workdir} at the same time')
+    return None
+
+
+def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bool] | None,
+         held: list) -> dict:
+  """:func:`run`, adding the locks it takes to ``held``."""
   start = time.perf_counter()
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
@@ -524,6 +557,9 @@ def run(config, workdir: str | None, task: str,
   if not workdir:
     workdir = _fresh_workdir(task)
   check_workdir(workdir, config.checkpoint.enabled)
+  lock = claim_workdir(workdir, _log)
+  if lock is not None:
+    held.append(lock)
   if distributed.is_main_process():  # the one writer of the run's files
     # left by a killed write of one of them; the user's files stay
     diskcache.remove_stale_tmp(workdir, of=RUN_FILES)

@@ -1,11 +1,15 @@
 """Housekeeping shared by the on-disk caches (the program store, the
 initialisation cache) and the run's files: writing a file whole or not at
-all, the library versions in their keys, least-recently-used trimming, quiet
-touching and removal, the name a damaged file is set aside under."""
+all, a folder claimed by one run at a time, the library versions in their
+keys, least-recently-used trimming, quiet touching and removal, the name a
+damaged file is set aside under."""
 from __future__ import annotations
 
+import datetime
+import fcntl
 import importlib.metadata
 import os
+import socket
 import time
 import uuid
 from typing import IO, Callable
@@ -38,6 +42,45 @@ def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False
   except BaseException:
     remove(tmp)
     raise
+
+
+class InUseError(Exception):
+  """Another live process holds the lock (the message names it)."""
+
+
+class FolderLock:
+  """An exclusive claim on a folder while a run writes into it: ``flock`` on
+  the file ``path``, which names the holder (pid, host, start). The kernel
+  drops the claim when the process ends, however it ends, so no stale lock
+  outlives a killed run; the file itself stays (removing it would let a
+  third process lock a new file while a second still holds the old one).
+
+  Raises:
+    InUseError: another process holds it.
+    OSError: the file cannot be made or the file system cannot lock it.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 512, 0).decode(errors='replace').strip()
+      os.close(fd)
+      raise InUseError(holder or 'a process that is starting') from None
+    except BaseException:
+      os.close(fd)
+      raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f'pid {os.getpid()} on {socket.gethostname()}, since '
+                  f'{datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n'.encode(), 0)
+    self._fd: int | None = fd
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)  # closing the only descriptor drops the flock
+      self._fd = None
 
 
 def versions(libraries: tuple[str, ...]) -> dict[str, str]:

@@ -405,6 +405,8 @@ def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, 
     out = {}
     for root, _, files in os.walk(workdir):
       for name in files:
+        if name == elastic.LOCK_FILE:  # who holds the workdir, not the run's data
+          continue
         with open(os.path.join(root, name), 'rb') as f:
           out[os.path.relpath(os.path.join(root, name), workdir)] = f.read()
     return out
@@ -661,3 +663,34 @@ def test_orbax_warning_about_a_checkpoint_still_being_written_is_dropped_only():
   assert 'orbax-checkpoint-tmp' not in out.stderr
   assert 'Metadata file does not exist: /w/checkpoints/64/_METADATA' in out.stderr
   assert 'another warning' in out.stderr
+
+
+def test_a_workdir_in_use_by_a_live_run_is_refused_and_freed_when_it_dies(tmp_path, capsys):
+  """Two runs writing one workdir would mix their rows and checkpoints: the
+  second is refused in one line naming the first; the claim dies with its
+  process (here SIGKILLed), so a rerun is never locked out by a dead one."""
+  workdir = str(tmp_path / 'run')
+  os.makedirs(workdir)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time\nfrom pipejax import diskcache\n'
+       'lock = diskcache.FolderLock(sys.argv[1])\nprint("held", flush=True)\ntime.sleep(300)',
+       os.path.join(workdir, elastic.LOCK_FILE)], cwd=root, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    config = _config(str(tmp_path / 'p.json'), **{'train.epochs': 1})
+    assert elastic.main(config, workdir, task='vit') == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f'error: --workdir={workdir} is in use by another run (pid {holder.pid} on '), err
+    assert not os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
+  finally:
+    holder.kill()
+    holder.wait()
+  assert elastic.main(config, workdir, task='vit') == 0
+  assert [r['epoch'] for r in _rows(workdir)] == [0]
+  # Released at the end of a run: the same process runs on it again.
+  with config.unlocked():
+    config.train.epochs = 2
+  assert elastic.main(config, workdir, task='vit') == 0
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
