@@ -14,7 +14,7 @@ from pipejax import autocache_disk
 from pipejax.autocache import ActivationCache, CacheMismatchError, storage_error_bound
 from pipejax.autocache_policy import (CachingDecision, caching_allowed, decide_caching,
                                       keep_caching)
-from pipejax.data import ArraySource, Loader, host_subset
+from pipejax.data import ArraySource, Loader, ShardedLoader, host_subset
 from tests import fixtures
 
 SEQ, HIDDEN, LAYERS = 5, 8, 9
@@ -420,6 +420,24 @@ def test_torn_write_never_reads_as_valid(tmp_path):
   tier.close()
 
 
+def test_a_smaller_disk_budget_truncates_the_entries_file(tmp_path):
+  """Reopened with a smaller budget, the file is cut to it: no disk beyond
+  the budget stays taken, and only the slots within it are found."""
+  rng = np.random.default_rng(0)
+  tier = autocache_disk.DiskTier(str(tmp_path), 'run', (SEQ, HIDDEN), 'float32', 1 << 20, 12)
+  tier.write(np.arange(12), np.arange(100, 112), np.full(12, 3),
+             rng.normal(size=(12, SEQ, HIDDEN)).astype(np.float32))
+  assert tier.file_bytes == 12 * tier.record_bytes
+  tier.close()
+  smaller = autocache_disk.DiskTier(str(tmp_path), 'run', (SEQ, HIDDEN), 'float32',
+                                    4 * tier.record_bytes, 12)
+  assert smaller.slots == 4 and smaller.file_bytes == 4 * tier.record_bytes
+  assert os.path.getsize(smaller.path) == 4 * tier.record_bytes
+  slots, ids, depths = smaller.scan()
+  assert list(slots) == [0, 1, 2, 3] and list(ids) == [100, 101, 102, 103]
+  smaller.close()
+
+
 def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   fake = FakePrefix(12)
   cache, ids = _disk_cache(tmp_path, fake)
@@ -633,6 +651,14 @@ def test_a_cache_that_holds_part_of_the_samples_pays_a_forward_for_every_batch_w
   kept = keep_caching(decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3, filled=True,
                                      fits=0.99, batch_size=4), 5, epochs_ahead=2)
   assert (kept.fits, kept.batch_size, kept.all_hit_batches) == (0.99, 4, most.all_hit_batches)
+  # A filled cache too pays the forward of every batch with a miss: half fits,
+  # batches of 4 → 1/16 all hits; 3 × (0.02 + 15/16 · 0.10) > 3 × 0.10.
+  half = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3, filled=True, fits=0.5,
+                        batch_size=4)
+  assert not half.use_cache and half.seconds_with == pytest.approx(3 * (0.02 + 15 / 16 * 0.10))
+  kept = keep_caching(decide_caching(3, 0.10, 0.002, 0.05, epochs_ahead=3, filled=True,
+                                     fits=0.9, batch_size=8), 5, epochs_ahead=2)
+  assert kept.seconds_with == pytest.approx(2 * (0.002 + (1 - 0.9 ** 8) * 0.10))
 
 
 def test_a_decision_s_line_names_its_inputs_and_verdict():
@@ -732,6 +758,22 @@ def test_loader_batch_ids_match_its_epochs():
   last_ids, last = list(Loader(source, 5, shuffle=False, drop_remainder=False).epoch(0))[-1]
   np.testing.assert_array_equal(last_ids, [20, 21, 22, 20, 21])
   np.testing.assert_array_equal(last['example_mask'], [1, 1, 1, 0, 0])
+  # The same padding when the epoch resumes mid-way (the mask counts from the start).
+  resumed = list(Loader(source, 5, shuffle=False, drop_remainder=False).epoch(0, 2))
+  assert len(resumed) == 3
+  np.testing.assert_array_equal(resumed[-1][1]['example_mask'], [1, 1, 1, 0, 0])
+  assert all(b['example_mask'].all() for _, b in resumed[:-1])
+  # max_steps caps an epoch, never lengthens it.
+  assert Loader(source, 5, max_steps=10).steps_per_epoch() == 4
+  assert Loader(source, 5, max_steps=10, drop_remainder=False).steps_per_epoch() == 5
+  assert Loader(source, 5, max_steps=2).steps_per_epoch() == 2
+  assert len(list(Loader(source, 5, max_steps=10).epoch(0))) == 4
+  sharded = ShardedLoader(source, 10, shards=2, local_shards=(0, 1), max_steps=10)
+  assert sharded.steps_per_epoch() == 2 and len(list(sharded.epoch(0))) == 2  # 11 per shard
+  assert ShardedLoader(source, 10, shards=2, local_shards=(0,), max_steps=1).steps_per_epoch() == 1
+  # A training batch larger than the data is refused, not an empty epoch.
+  with pytest.raises(ValueError, match='batch size 5 exceeds the 3 samples'):
+    Loader(ArraySource({'x': np.arange(3)}), 5)
 
 
 def test_keep_caching_only_after_a_filled_cache_won():

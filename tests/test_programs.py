@@ -350,6 +350,53 @@ def test_the_key_follows_identity_name_key_and_arguments(tmp_path):
   assert store.path('step', ('k',), flipped) != base
   assert store.path('step', ('k',), args, {'xla_cpu_experimental_ynn_fusion_type': ''}) != base
   assert store.path('step', ('k',), args, donate_argnums=(0,)) != base
+  # The arguments' dtypes, tree structure and weak types are in the key.
+  assert store.path('step', ('k',), _spec((state, batch.astype(jnp.bfloat16)))) != base
+  assert store.path('step', ('k',), _spec((state, {'x': batch}))) != base
+  weak = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=batch.sharding, weak_type=True)
+  assert store.path('step', ('k',), (args[0], weak)) != base
+
+
+def test_the_key_follows_the_code_and_xla_flags(tmp_path, monkeypatch):
+  """A program traced by other code, or compiled under other XLA flags, is
+  another program."""
+  args = _spec(_args())
+  base = ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args)
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=false')
+  assert ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args) != base
+  monkeypatch.undo()
+  monkeypatch.setattr(programs, 'code_fingerprint', lambda: 'other code')
+  assert ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args) != base
+
+
+def test_an_executable_is_kept_per_machine_and_per_compile_options(tmp_path, monkeypatch):
+  """Another host CPU (or backend version) shares the stored program but not
+  its executable: it compiles and keeps its own. The same program compiled
+  with other options has an executable of its own too."""
+  state, batch = _args()
+  salt = _salt()
+  with _jax_cache(0.0):
+    here = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+    here.compile('step', ('k',), _spec((state, batch)), _build([], salt), donate_argnums=(0,))
+    monkeypatch.setattr(programs, 'machine_fingerprint', lambda: 'f' * 64)
+    there = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+    state, batch = _args()
+    got = there.compile('step', ('k',), _spec((state, batch)), pytest.fail,
+                        donate_argnums=(0,))(state, batch)
+  assert int(got[0]['step']) == 1
+  assert there.stats()['programs_loaded'] == 1 and there.stats()['executables_loaded'] == 0
+  assert len(_files(tmp_path, PROGRAM_SUFFIX)) == 1
+  assert len(_files(tmp_path, POINTER_SUFFIX)) == len(_files(tmp_path, EXECUTABLE_SUFFIX)) == 2
+  # Options: the one-off programs' compile without library fusions.
+  other = tmp_path / 'options'
+  store = ProgramStore(str(other), {'run': 1}, log=pytest.fail)
+  replicated = NamedSharding(_mesh(), P())
+  x = jax.device_put(jnp.linspace(-1.0, 1.0, 32 * 64).reshape(32, 64) + salt, replicated)
+  build = lambda: jax.jit(lambda x: jnp.tanh(x @ x.T) + salt, out_shardings=replicated)  # noqa: E731
+  with _jax_cache(0.0):
+    store.compile('f', (), _spec((x,)), build)
+    store.compile('f', (), _spec((x,)), build, library_fusions=False)
+  assert len(_files(str(other), EXECUTABLE_SUFFIX)) == 2
 
 
 @pytest.mark.parametrize('directory', [True, False])

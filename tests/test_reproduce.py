@@ -95,6 +95,7 @@ def test_describe_run_speedups_and_where_time_went():
   limit = (2 * 16 * 80) / (16 * 80 + 10 * 80)
   assert r['flop_limit_speedup'] == pytest.approx(limit)
   assert r['efficiency'] == pytest.approx(2.0 / limit)
+  assert r['train_efficiency'] == pytest.approx((16.0 / 6.0) / limit)
   assert r['samples_per_second'] == pytest.approx(160 / 10.0)
   assert r['startup_seconds'] == pytest.approx(2.0)
   assert r['transition_seconds'] == pytest.approx(1.0)
@@ -128,6 +129,23 @@ class _FakeRunner(reproduce.Runner):
                        kind='plain_dp' if module == reproduce.PLAIN else 'elastic')
     rows = [_row(0, 0, 10), _row(1, frozen, 20)]
     return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': total + 3}
+
+
+def test_the_micro_batch_search_is_charged_to_the_first_transition_to_its_k(tmp_path):
+  """M is profiled once per K: a second transition to the same K (a freeze
+  event that keeps it) pays no search."""
+  class Twice(_FakeRunner):
+    def _execute(self, name, module, args):
+      out = super()._execute(name, module, args)
+      if out['summary']['transitions']:
+        again = dict(out['summary']['transitions'][0], epoch=1, frozen_layers=3,
+                     old='K=2 R=2 M=2')
+        out['summary']['transitions'].append(again)
+      return out
+
+  rows = reproduce.transitions(Twice(), str(tmp_path))['rows']
+  assert [r['new'] for r in rows] == ['K=2 R=2 M=2'] * 2
+  assert [r['micro_batch_search_seconds'] for r in rows] == pytest.approx([3 * 0.02, 0.0])
 
 
 def test_parts_on_synthetic_runs(tmp_path):

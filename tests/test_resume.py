@@ -473,6 +473,17 @@ def test_identity_names_the_keys_that_differ():
     resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
   with pytest.raises(resume.CheckpointMismatch, match='no valid identity'):
     resume.check_identity({'identity': ident, 'fingerprint': 'x'}, ident, 'ck')
+  # Another data set, or another HF model config, is another run.
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.data.name = 'digits'
+  with pytest.raises(resume.CheckpointMismatch,
+                     match=r"data.name: 'auto' in the checkpoint, 'digits' now"):
+    resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
+  with pytest.raises(resume.CheckpointMismatch, match=r'hf.hidden_size: 64 in the checkpoint, '
+                                                      r'128 now'):
+    resume.check_identity(meta, resume.identity(vit_imagenet.get_config(),
+                                                {'hidden_size': 128}), 'ck')
 
 
 def test_a_damaged_metrics_line_before_the_last_is_an_error_and_the_file_is_kept(tmp_path):

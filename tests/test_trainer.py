@@ -130,6 +130,12 @@ def test_transition_keeps_moments_step_rng_and_head():
   leaf = jax.tree.leaves(trainer.state['active']['attention'])[0]
   assert leaf.sharding.mesh.shape == {'data': new_plan.replicas,
                                       'stage': new_plan.pipeline_length}
+  # The AdamW moments are split over the stages as their parameters are (each
+  # device holds its stage's, not K copies of the whole).
+  staged = lambda tree: sum('stage' in str(x.sharding.spec)  # noqa: E731
+                            for x in jax.tree.leaves(tree))
+  assert staged(trainer.state['active']) > 0
+  assert staged(trainer.state['opt']) == 2 * staged(trainer.state['active'])  # mu and nu
   trainer.train_epoch(1, _Bar())  # and training goes on
 
 

@@ -430,3 +430,47 @@ def test_importing_an_entry_point_keeps_the_callers_compilation_cache():
   runtime.setup(8)
   assert (jax.config.jax_compilation_cache_dir,
           jax.config.jax_persistent_cache_min_compile_time_secs) == before
+
+
+@pytest.mark.parametrize('overrides, message', [
+    ({'train.epochs': 0}, 'train.epochs must be >= 1, got 0'),
+    ({'train.batch_size': 0}, 'train.batch_size must be >= 1, got 0'),
+    ({'seed': 2 ** 32}, 'seed must be in [0, 2**32)'),
+    ({'train.batch_mode': 'growing'}, "train.batch_mode must be 'constant' or 'per_pipeline'"),
+    ({'pipeline.schedule': 'zb'}, 'pipeline.schedule must be one of'),
+    ({'pipeline.exchange': 'mail'}, "pipeline.exchange must be 'auto' or one of"),
+    ({'pipeline.devices': 9}, 'pipeline.devices=9 but 8'),
+    ({'pipeline.initial_length': 3}, 'pipeline.initial_length=3 does not divide'),
+    ({'checkpoint.every_steps': -1}, 'checkpoint.every_steps must be >= 0, got -1'),
+    ({'checkpoint.keep': 0}, 'checkpoint.keep must be >= 1, got 0'),
+    ({'pipeline.split_mlp_min_gain': 1.5}, 'pipeline.split_mlp_min_gain must be in [0, 1]'),
+    ({'pipeline.micro_batches': -1}, 'pipeline.micro_batches must be >= 0'),
+    ({'train.warmup_epochs': 10.0}, 'train.warmup_epochs=10.0 must be >= 0 and below'),
+    ({'freeze.timestep_steps': -1}, 'freeze.timestep_steps must be >= 0, got -1'),
+    ({'train.learning_rate': float('inf')}, 'train.learning_rate must be > 0, got inf'),
+    ({'train.learning_rate': float('nan')}, 'train.learning_rate must be > 0, got nan'),
+    ({'train.weight_decay': -0.1}, 'train.weight_decay must be >= 0'),
+    ({'train.max_steps_per_epoch': -1}, 'train.max_steps_per_epoch must be >= 0'),
+    ({'freeze.lambda_frozen': 2.0}, 'freeze.lambda_frozen'),
+    ({'freeze.timestep_steps': 5, 'train.batch_mode': 'per_pipeline'},
+     'freeze.timestep_steps needs train.batch_mode=constant'),
+    ({'train.batch_mode': 'per_pipeline', 'train.batch_size': 12},
+     'train.batch_size=12 must be a multiple of'),
+    ({'train.batch_size': 36}, 'train.batch_size=36 must be a multiple of the 8'),
+    ({'train.eval_batch_size': 12}, 'train.eval_batch_size=12 must be 0'),
+    ({'cache.policy': 'never'}, 'cache.policy must be one of'),
+    ({'cache.dtype': 'int8'}, "cache.dtype must be 'float32', 'bfloat16' or 'float16'"),
+    ({'cache.memory_mb': float('nan')}, 'cache.memory_mb and cache.disk_mb must be finite'),
+    ({'cache.on_mismatch': 'ignore'}, "cache.on_mismatch must be 'refuse' or 'clear'"),
+    ({'freeze.alpha': 1.0}, 'freeze.alpha must be in (0, 1), got 1.0'),
+])
+def test_check_config_refuses_each_bad_value(overrides, message):
+  """Every value the library would reject late (or not at all: a negative
+  checkpoint.every_steps saved every step) is refused up front, naming it."""
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, overrides)
+  with pytest.raises(elastic.KNOWN_ERRORS) as err:  # each a one-line error of the CLI
+    elastic.check_config(config, 8)
+  assert message in str(err.value), str(err.value)
+  elastic.check_config(vit_imagenet.get_config(), 8)  # the default passes
