@@ -55,12 +55,9 @@ def _check(args) -> None:
   for flag in ('batch', 'seq', 'hidden', 'batches'):
     if getattr(args, flag) < 1:
       raise ValueError(f'--{flag} must be at least 1, got {getattr(args, flag)}')
-  try:
-    os.makedirs(args.workdir, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f'cannot use --workdir={args.workdir}: {e.strerror or e}') from e
-  if not os.access(args.workdir, os.W_OK | os.X_OK):
-    raise ValueError(f'cannot use --workdir={args.workdir}: not writable')
+  problem = diskcache.folder_problem(args.workdir)
+  if problem:
+    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
 
 
 def main(argv=None) -> int:

@@ -70,12 +70,9 @@ def _check(args) -> None:
     if name not in schedule.SCHEDULES:
       raise ValueError(f'--schedules: unknown schedule {name!r}; expected some of '
                        f'{",".join(sorted(schedule.SCHEDULES))}')
-  try:
-    os.makedirs(args.workdir, exist_ok=True)
-  except OSError as e:
-    raise ValueError(f'cannot use --workdir={args.workdir}: {e.strerror or e}') from e
-  if not os.access(args.workdir, os.W_OK | os.X_OK):
-    raise ValueError(f'cannot use --workdir={args.workdir}: not writable')
+  problem = diskcache.folder_problem(args.workdir)
+  if problem:
+    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
 
 
 def main(argv=None) -> int:

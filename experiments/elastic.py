@@ -212,7 +212,7 @@ def resolve_data(config, task: str = 'vit'):
 
 #: The files a run writes into its workdir (beside ``checkpoints/``).
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
-LOCK_FILE = '.lock'  # held by the run writing the workdir (claim_workdir)
+LOCK_FILE = '.lock'  # held by the run writing the workdir (lock_workdir)
 
 
 def check_workdir(workdir: str, checkpoints_enabled: bool,
@@ -220,12 +220,9 @@ def check_workdir(workdir: str, checkpoints_enabled: bool,
   """Creates ``workdir`` if needed; the paths of the outputs it will write
   (``files``, and ``checkpoints/`` when enabled) must be free or of the right
   kind (before training, not at the first save)."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f'cannot use --workdir={workdir}: {e.strerror or e}') from e
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise ConfigError(f'cannot use --workdir={workdir}: not writable')
+  problem = diskcache.folder_problem(workdir)
+  if problem:
+    raise ConfigError(f'cannot use --workdir={workdir}: {problem}')
   outputs = [(name, False) for name in files]
   for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
     path = os.path.join(workdir, name)
@@ -501,7 +498,7 @@ def run(config, workdir: str | None, task: str,
   outputs. ``stop_requested`` is polled after every step (see
   :class:`pipejax.resume.StopOnSignal`): when True the run saves and raises
   :class:`pipejax.trainer.TrainingInterrupted`. The workdir is claimed for
-  the run (:func:`claim_workdir`): a second run started on it meanwhile is
+  the run (:func:`lock_workdir`): a second run started on it meanwhile is
   refused.
   """
   held: list[diskcache.FolderLock] = []
@@ -512,23 +509,36 @@ def run(config, workdir: str | None, task: str,
       lock.release()
 
 
-def claim_workdir(workdir: str, log: Callable[[str], None] = print
-                  ) -> diskcache.FolderLock | None:
-  """Claims ``workdir`` for this process (``<workdir>/.lock``, per process
-  ``.lock.process_<i>`` in a job of several): another live run on it is a
-  :class:`ConfigError` naming it. Two runs writing one workdir would mix
-  their rows and checkpoints. None (with a warning) where the file system
-  cannot lock."""
-  name = LOCK_FILE if jax.process_count() == 1 else f'{LOCK_FILE}.process_{jax.process_index()}'
+def lock_workdir(workdir: str, log: Callable[[str], None] = print
+                 ) -> diskcache.FolderLock | None:
+  """Claims ``workdir`` for this run: ``<workdir>/.lock``, which process 0 of
+  a job of several takes too (so a one-process run and a job exclude each
+  other), the other processes ``.lock.process_<i>``. Two runs writing one
+  workdir would mix their rows and checkpoints: another live run on it is a
+  :class:`ConfigError` naming it, on every process of the job at once
+  (collective with several processes). None (with a warning) where the file
+  system cannot lock."""
+  index = jax.process_index()
+  path = os.path.join(workdir, LOCK_FILE if index == 0 else f'{LOCK_FILE}.process_{index}')
+  lock = refusal = None
   try:
-    return diskcache.FolderLock(os.path.join(workdir, name))
+    lock = diskcache.FolderLock(path)
   except diskcache.InUseError as e:
-    raise ConfigError(f'--workdir={workdir} is in use by another run ({e}): wait for it to '
-                      f'end or stop it, or use another --workdir') from None
+    refusal = f'--workdir={workdir} is in use by another run ({e})'
   except OSError as e:
-    log(f'warning: cannot lock {os.path.join(workdir, name)} ({e.strerror or e}): nothing '
-        f'keeps another run from writing into {workdir} at the same time')
-    return None
+    log(f'warning: cannot lock {path} ({e.strerror or e}): nothing keeps another run from '
+        f'writing into {workdir} at the same time')
+  if jax.process_count() > 1:
+    refused = distributed.gather_exact([float(refusal is not None)])[:, 0]
+    if refused.any() and refusal is None:
+      who = [i for i, r in enumerate(refused.tolist()) if r]
+      refusal = (f'--workdir={workdir} is in use by another run (refused on process'
+                 f'{"es" * (len(who) > 1)} {", ".join(map(str, who))})')
+  if refusal is not None:
+    if lock is not None:
+      lock.release()
+    raise ConfigError(f'{refusal}: wait for it to end or stop it, or use another --workdir')
+  return lock
 
 
 def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bool] | None,
@@ -557,7 +567,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   if not workdir:
     workdir = _fresh_workdir(task)
   check_workdir(workdir, config.checkpoint.enabled)
-  lock = claim_workdir(workdir, _log)
+  lock = lock_workdir(workdir, _log)
   if lock is not None:
     held.append(lock)
   if distributed.is_main_process():  # the one writer of the run's files

@@ -51,7 +51,7 @@ def _run(config, workdir: str, held: list) -> dict:
   created = elastic.resolve_model(config, data, 'vit')
   # A folder whose outputs' paths are free (before training, not after it).
   elastic.check_workdir(workdir, checkpoints_enabled=False)
-  lock = elastic.claim_workdir(workdir)
+  lock = elastic.lock_workdir(workdir)
   if lock is not None:
     held.append(lock)
   if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):

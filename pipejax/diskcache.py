@@ -44,6 +44,18 @@ def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False
     raise
 
 
+def folder_problem(path: str) -> str | None:
+  """Creates the folder ``path`` if needed; why a run cannot write into it
+  (one phrase), else None."""
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    return str(e.strerror or e)
+  if not os.access(path, os.W_OK | os.X_OK):
+    return 'not writable'
+  return None
+
+
 class InUseError(Exception):
   """Another live process holds the lock (the message names it)."""
 
@@ -62,19 +74,28 @@ class FolderLock:
 
   def __init__(self, path: str):
     self.path = path
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:  # another user's lock file: flock needs no write access
+      fd = os.open(path, os.O_RDONLY)
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      holder = os.pread(fd, 512, 0).decode(errors='replace').strip()
+      try:
+        holder = os.pread(fd, 512, 0).decode(errors='replace').strip()
+      except OSError:
+        holder = ''
       os.close(fd)
       raise InUseError(holder or 'a process that is starting') from None
     except BaseException:
       os.close(fd)
       raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f'pid {os.getpid()} on {socket.gethostname()}, since '
-                  f'{datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n'.encode(), 0)
+    try:  # who holds it, for the message of a refused run: a courtesy only
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f'pid {os.getpid()} on {socket.gethostname()}, since '
+                    f'{datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n'.encode(), 0)
+    except OSError:  # a full disk, a read-only file: the lock holds all the same
+      pass
     self._fd: int | None = fd
 
   def release(self) -> None:

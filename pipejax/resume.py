@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
+_clock = time.monotonic  # when a signal is handled (a test's clock replaces it)
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (the same command resumes)
 EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
 
@@ -93,11 +94,16 @@ class StopOnSignal:
   """While active, the first SIGTERM or SIGINT asks training to stop after
   the current step (:attr:`requested`, polled by the trainer, which then
   saves and raises :class:`pipejax.trainer.TrainingInterrupted`); a second
-  one raises ``KeyboardInterrupt`` at once. The same signal again within
-  :attr:`SAME_DELIVERY_SECONDS` counts as the first one: a tool that signals
-  both the process and its group (GNU ``timeout`` does) delivers it twice at
-  once, which must not abort the save. Outside the main thread it does
-  nothing (Python delivers signals to the main thread only).
+  one raises ``KeyboardInterrupt`` at once. One repeat of the first signal
+  counts as a copy of it when it comes before the trainer has polled the
+  request, or within :attr:`SAME_DELIVERY_SECONDS`: a tool that signals both
+  the process and its group (GNU ``timeout``; a terminal's Ctrl-C reaches
+  :func:`pipejax.distributed.supervise` and its child alike) delivers it
+  twice at once, which must not abort the save. (Python runs handlers
+  between bytecodes, so a copy that arrived during a long step is handled
+  only after it: the poll, not a clock, tells the copies apart.) Outside the
+  main thread it does nothing (Python delivers signals to the main thread
+  only).
 
   Args:
     log: one-line messages.
@@ -109,17 +115,22 @@ class StopOnSignal:
   def __init__(self, log: Callable[[str], None] = print):
     self.log = log
     self.requested = False
-    self._first: tuple[int, float] | None = None  # the first signal and when
+    self._first: tuple[int, float] | None = None  # the first signal and when it was handled
+    self._polled = False  # the trainer has seen the request
+    self._copy_taken = False  # one copy of the first signal is allowed for
     self._previous: dict[int, Any] = {}
 
   def __call__(self) -> bool:
+    if self.requested:
+      self._polled = True
     return self.requested
 
   def _handle(self, signum, frame) -> None:  # noqa: ARG002
     name = signal.Signals(signum).name
-    now = time.monotonic()
-    if (self._first is not None and self._first[0] == signum
-        and now - self._first[1] < self.SAME_DELIVERY_SECONDS):
+    now = _clock()
+    if (self._first is not None and self._first[0] == signum and not self._copy_taken
+        and (not self._polled or now - self._first[1] < self.SAME_DELIVERY_SECONDS)):
+      self._copy_taken = True
       return  # the first signal delivered twice, not a second one
     if self.requested:
       for s in self.SIGNALS:  # a third signal gets the default behaviour

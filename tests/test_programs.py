@@ -532,3 +532,27 @@ def test_stale_temporary_files_of_the_named_files_only_are_removed(tmp_path):
                                           'summary.json.young.tmp']
   diskcache.remove_stale_tmp(str(tmp_path))  # a cache's own folder: every stale one
   assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'summary.json.young.tmp']
+
+
+def test_a_folder_lock_excludes_a_second_holder_and_survives_a_failed_name_write(tmp_path,
+                                                                                monkeypatch):
+  """The claim is the flock, not the holder's name in the file: a full disk
+  while writing the name keeps the lock (and leaks no descriptor); a second
+  claim is refused until the first is released."""
+  from pipejax import diskcache
+  path = str(tmp_path / '.lock')
+  first = diskcache.FolderLock(path)
+  assert f'pid {os.getpid()} on ' in open(path).read()
+  with pytest.raises(diskcache.InUseError, match=f'pid {os.getpid()} on '):
+    diskcache.FolderLock(path)
+  first.release()
+
+  def full(*args):
+    raise OSError(28, 'No space left on device')
+
+  monkeypatch.setattr(diskcache.os, 'pwrite', full)
+  second = diskcache.FolderLock(path)
+  with pytest.raises(diskcache.InUseError):
+    diskcache.FolderLock(path)
+  second.release()
+  diskcache.FolderLock(path).release()  # nothing kept it: no descriptor left holding it
