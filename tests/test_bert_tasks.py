@@ -97,6 +97,32 @@ def test_exact_match_and_f1_hand_computed():
   assert scores['f1'] == pytest.approx(100 * (1 + 2 / 3) / 3)
 
 
+def test_glue_metrics_hand_computed():
+  # tp = 2 (0, 4), fp = 1 (1), tn = 2 (2, 3), fn = 1 (5).
+  p, y = np.array([1, 1, 0, 0, 1, 0]), np.array([1, 0, 0, 0, 1, 1])
+  assert text_eval.matthews_correlation(p, y) == pytest.approx((2 * 2 - 1 * 1) / 3 ** 2)
+  assert text_eval.binary_f1(p, y) == pytest.approx(2 * 2 / (3 + 3))
+  logits = np.eye(2)[p]
+  expected = {'mrpc': {'eval_f1': 2 / 3}, 'qqp': {'eval_f1': 2 / 3},
+              'cola': {'eval_matthews': 1 / 3}, 'sst2': {}}
+  for task, extra in expected.items():
+    evaluator = text_eval.GlueEvaluator(task, y)
+    evaluator.predict = lambda trainer, params: (np.arange(6), logits)
+    assert evaluator(None, None) == pytest.approx({'eval_accuracy': 4 / 6, **extra}), task
+  # STS-B's MSE is squared: errors 0, 2, 1, 0 → (0 + 4 + 1 + 0) / 4.
+  mse = text_eval.GlueEvaluator.regression_metrics(np.array([1., 2., 3., 4.]),
+                                                   np.array([1., 4., 2., 4.]))['eval_mse']
+  assert mse == pytest.approx(1.25)
+
+
+def test_squad_scores_average_over_the_questions_predicted():
+  # An evaluation of part of the questions averages over those, not over all.
+  assert text_eval.squad_scores({'q1': 'x'}, {'q1': ['x'], 'q2': ['y']}) == {
+      'exact_match': 100.0, 'f1': 100.0}
+  # A question without gold answers counts the empty answer as its gold.
+  assert text_eval.squad_scores({'q': ''}, {'q': []}) == {'exact_match': 100.0, 'f1': 0.0}
+
+
 def _offsets(seq, context_from):
   """Token t >= context_from covers characters [2(t-c), 2(t-c)+1); others -1."""
   out = np.full((seq, 2), -1, np.int32)
@@ -121,6 +147,12 @@ def test_best_span_respects_context_order_and_length():
   assert text_eval.best_span(start, end, offsets) == (7.0, 0, 3)
   # n_best=1 pairs only the top start (6) with the top end (4): nothing valid.
   assert text_eval.best_span(start, end, offsets, n_best=1) is None
+  # An end on the closing [SEP] (token 7, outside the context) is not an answer.
+  offsets = _offsets(seq, 3)
+  offsets[7] = -1
+  start, end = np.zeros(seq), np.zeros(seq)
+  start[5], end[7], end[6] = 4.0, 9.0, 1.0
+  assert text_eval.best_span(start, end, offsets) == (5.0, 4, 7)
 
 
 def test_squad_predictions_take_the_best_feature_of_each_example():

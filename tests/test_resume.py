@@ -120,6 +120,15 @@ def _tiny_state(value: float) -> dict:
   return {'params': {'w': jnp.full((4, 3), value)}, 'step': jnp.int32(value)}
 
 
+def test_only_the_newest_checkpoints_are_kept_and_the_newest_is_read(tmp_path):
+  ckpt = checkpoints.Checkpoints(str(tmp_path), keep=2)
+  for step in (1, 2, 3):
+    ckpt.save(step, _tiny_state(float(step)), {'n': step}, wait=True)
+  assert ckpt.latest_meta() == ({'n': 3}, ckpt.path(3))
+  ckpt.close()
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '3']
+
+
 def _abstract(_meta):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _tiny_state(0.0))
 
@@ -516,8 +525,9 @@ def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
   assert [r['epoch'] for r in reporting.MetricsLog(str(tmp_path)).rows] == [0, 1]
   # A checkpoint's own copy fills in a row the crash kept from the file; one
   # saved before copies had timings gets the row before's wall time plus its epoch's.
-  reporting.keep_rows(str(tmp_path), 3, {'epoch': 2, 'train_loss': 2.0, 'epoch_seconds': 0.5,
-                                         'transition_seconds': 0.125, 'eval_seconds': 0.25})
+  assert reporting.keep_rows(str(tmp_path), 3, {  # a row filled in, none dropped
+      'epoch': 2, 'train_loss': 2.0, 'epoch_seconds': 0.5, 'transition_seconds': 0.125,
+      'eval_seconds': 0.25}) == 0
   assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
   filled = reporting.read_rows(str(tmp_path))[2]
   assert (filled['wall_seconds'], filled['checkpoint_seconds']) == (2.0 + 0.875, 0.0)

@@ -402,6 +402,13 @@ def test_a_fixed_micro_batch_count_survives_transitions_whatever_the_profile_rem
   assert trainer._candidate_plans(trainer.plan.partition) == [trainer.plan]
 
 
+def test_an_infinite_or_nan_loss_stops_training():
+  for bad in (float('inf'), float('-inf'), float('nan')):
+    with pytest.raises(trainer_lib.LossNotFinite, match=f'the training loss is {bad} at step 7'):
+      Trainer._check_finite(bad, 1, 7)
+  Trainer._check_finite(1e30, 1, 7)  # large is not diverged
+
+
 @pytest.mark.parametrize('every_steps', [1, 0])
 def test_a_non_finite_gradient_with_a_finite_loss_is_never_checkpointed(monkeypatch,
                                                                         every_steps):
