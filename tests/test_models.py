@@ -97,6 +97,28 @@ def test_regression_head_loss_is_mse_of_the_hf_logits():
                              [2 * np.mean(error)], rtol=1e-4)
 
 
+def test_question_answering_counts_an_example_right_only_unmasked():
+  """SQuAD's head: an example is right when both its start and its end are
+  the argmax of HF's own logits; padding (``example_mask`` 0) is never
+  counted, right or not."""
+  created = fixtures.tiny('bert-question_answering')
+  model = created.model
+  batch = fixtures.batch('bert-question_answering', model, 6, seed=4)
+  hf_model = created.hf_class(model.hf_config, _do_init=False)
+  out = hf_model(batch['input_ids'], batch['attention_mask'], batch['token_type_ids'],
+                 params=model.to_hf(created.params))
+  start = np.argmax(np.asarray(out.start_logits), -1).astype(np.int32)
+  end = np.argmax(np.asarray(out.end_logits), -1).astype(np.int32)
+  seq = batch['input_ids'].shape[1]
+  end[1] = (end[1] + 1) % seq  # example 1: only its start is right
+  right = {**batch, 'start_positions': start, 'end_positions': end}
+  _, metrics = jax.jit(model.loss)(created.params, right)
+  assert (float(metrics['correct']), float(metrics['count'])) == (5.0, 6.0)
+  mask = np.array([1, 1, 0, 1, 0, 1], np.float32)  # examples 2 and 4 are padding
+  _, masked = jax.jit(model.loss)(created.params, {**right, 'example_mask': mask})
+  assert (float(masked['correct']), float(masked['count'])) == (3.0, 4.0)
+
+
 def test_attention_mask_reaches_every_block():
   """Padding tokens must not influence other positions in any block."""
   created = fixtures.tiny('bert-classification')

@@ -167,6 +167,36 @@ def test_same_plan_compiles_once_and_new_plan_compiles_again():
   assert pipe.grad_fn(plan, stage_params) is step
 
 
+def test_plans_whose_slots_hold_half_blocks_do_not_share_a_program():
+  """F=1 as (2, 2, 3) holds whole blocks; F=2 as (1, 1, 3) gives stage 0 an
+  attention alone and stage 1 an MLP alone. Everything else in their program
+  key is the same: the second must be traced for its half blocks, not run
+  by the first's program (which runs both halves in every slot)."""
+  created = fixtures.tiny('vit', num_layers=4)
+  model, params = created.model, created.params
+  whole, halves = part.Partition(4, 1, (2, 2, 3)), part.Partition(4, 2, (1, 1, 3))
+  assert whole.tables.num_slots == halves.tables.num_slots == 1
+  batch = fixtures.batch('vit', model, 6, seed=3)
+  rng = jax.random.PRNGKey(0)
+
+  def run(pipe, partition):
+    hidden = model.hidden_states(params, batch, upto_layer=partition.num_frozen_layers)
+    feed = {'hidden': np.asarray(hidden), 'labels': batch['labels']}
+    stage_params = part.to_stage_params(params, partition)
+    return pipe.grad_fn(pipeline.Plan(partition, 1, 3), stage_params, train=False)(
+        stage_params, feed, rng)[0]
+
+  shared = pipeline.Pipeline(model, fill=NAN)
+  run(shared, whole)
+  loss = run(shared, halves)
+  assert shared.trace_count == 2
+  hidden = model.hidden_states(params, batch, upto_layer=2)
+  for unit in range(2 * 2 + 1, 2 * 4 + 1):
+    hidden = model.sublayer(params, unit, hidden, batch)
+  reference = model.loss_fn(params['head'], hidden, batch, None, False)[0]
+  assert abs(float(loss) - float(reference)) <= 1e-5
+
+
 def test_eval_forward_only_matches_sequential():
   created, partition = _case('vit', 4, (3, 2, 2, 3))
   model, params = created.model, created.params
