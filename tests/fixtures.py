@@ -1,7 +1,10 @@
 """Tiny models and batches shared by the tests."""
+import contextlib
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -110,3 +113,21 @@ def check_run_outputs(workdir: str, epochs: int, summary_keys: tuple[str, ...] =
   assert os.path.getsize(os.path.join(workdir, 'summary.png')) > 1000
   assert os.listdir(os.path.join(workdir, 'checkpoints'))
   return rows, summary
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: str):
+  """Another live process holding :class:`pipejax.diskcache.FolderLock` on
+  ``path`` inside the block; yields its pid. SIGKILLed on the way out (its
+  claim must die with it)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time\nfrom pipejax import diskcache\n'
+       'lock = diskcache.FolderLock(sys.argv[1])\nprint("held", flush=True)\ntime.sleep(300)',
+       str(path)], cwd=root, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    yield holder.pid
+  finally:
+    holder.kill()
+    holder.wait()

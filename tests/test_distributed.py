@@ -325,20 +325,12 @@ def test_a_job_on_a_workdir_in_use_is_refused_on_every_process(tmp_path):
   it trains or writes anything."""
   workdir = tmp_path / 'job'
   workdir.mkdir()
-  holder = subprocess.Popen(
-      [sys.executable, '-c', 'import sys, time\nfrom pipejax import diskcache\n'
-       'lock = diskcache.FolderLock(sys.argv[1])\nprint("held", flush=True)\ntime.sleep(300)',
-       str(workdir / elastic.LOCK_FILE)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-  try:
-    assert holder.stdout.readline().strip() == 'held'
+  with fixtures.lock_held_elsewhere(workdir / elastic.LOCK_FILE) as pid:
     results = _finish(_launch(str(workdir), SMALL), timeout=240)
-  finally:
-    holder.kill()
-    holder.wait()
   lines = [stderr.strip().splitlines()[-1] for _, _, stderr in results]
   assert [code for code, _, _ in results] == [2, 2], lines
   assert lines[0].startswith(f'error: --workdir={workdir} is in use by another run (pid '
-                             f'{holder.pid} on '), lines
+                             f'{pid} on '), lines
   assert lines[1] == (f'error: --workdir={workdir} is in use by another run (refused on '
                       f'process 0): wait for it to end or stop it, or use another --workdir')
   assert sorted(os.listdir(workdir)) == ['.lock', '.lock.process_1']

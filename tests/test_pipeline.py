@@ -53,6 +53,16 @@ def _canonical(stage_tree, partition, params):
                                 jax.tree.map(np.asarray, frozen))
 
 
+def _run_after_prefix(pipe, model, params, batch, partition, replicas, micro_batches):
+  """``pipe``'s evaluation-mode loss and gradients of ``partition`` on
+  ``batch``, fed the frozen prefix's hidden states (as the trainer does)."""
+  hidden = model.hidden_states(params, batch, upto_layer=partition.num_frozen_layers)
+  feed = {'hidden': np.asarray(hidden), 'labels': batch['labels']}
+  stage_params = part.to_stage_params(params, partition)
+  return pipe.grad_fn(pipeline.Plan(partition, replicas, micro_batches), stage_params,
+                      train=False)(stage_params, feed, jax.random.PRNGKey(0))
+
+
 def _max_err(a, b):
   return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)))
 
@@ -177,18 +187,9 @@ def test_plans_whose_slots_hold_half_blocks_do_not_share_a_program():
   whole, halves = part.Partition(4, 1, (2, 2, 3)), part.Partition(4, 2, (1, 1, 3))
   assert whole.tables.num_slots == halves.tables.num_slots == 1
   batch = fixtures.batch('vit', model, 6, seed=3)
-  rng = jax.random.PRNGKey(0)
-
-  def run(pipe, partition):
-    hidden = model.hidden_states(params, batch, upto_layer=partition.num_frozen_layers)
-    feed = {'hidden': np.asarray(hidden), 'labels': batch['labels']}
-    stage_params = part.to_stage_params(params, partition)
-    return pipe.grad_fn(pipeline.Plan(partition, 1, 3), stage_params, train=False)(
-        stage_params, feed, rng)[0]
-
   shared = pipeline.Pipeline(model, fill=NAN)
-  run(shared, whole)
-  loss = run(shared, halves)
+  _run_after_prefix(shared, model, params, batch, whole, 1, 3)
+  loss = _run_after_prefix(shared, model, params, batch, halves, 1, 3)[0]
   assert shared.trace_count == 2
   hidden = model.hidden_states(params, batch, upto_layer=2)
   for unit in range(2 * 2 + 1, 2 * 4 + 1):
@@ -273,14 +274,9 @@ def test_freeze_event_at_the_same_length_reuses_the_program_exactly():
   assert pipeline.program_key(pipeline.Plan(padded, 2, 2)) == pipeline.program_key(
       pipeline.Plan(wide, 2, 2))
   batch = fixtures.batch(kind, model, 8, seed=3)
-  rng = jax.random.PRNGKey(0)
 
   def run(pipe, partition):
-    hidden = model.hidden_states(params, batch, upto_layer=partition.num_frozen_layers)
-    feed = {'hidden': np.asarray(hidden), 'labels': batch['labels']}
-    stage_params = part.to_stage_params(params, partition)
-    return pipe.grad_fn(pipeline.Plan(partition, 2, 2), stage_params, train=False)(
-        stage_params, feed, rng)
+    return _run_after_prefix(pipe, model, params, batch, partition, 2, 2)
 
   shared = pipeline.Pipeline(model, fill=NAN)
   run(shared, wide)

@@ -706,22 +706,13 @@ def test_a_workdir_in_use_by_a_live_run_is_refused_and_freed_when_it_dies(tmp_pa
   process (here SIGKILLed), so a rerun is never locked out by a dead one."""
   workdir = str(tmp_path / 'run')
   os.makedirs(workdir)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  holder = subprocess.Popen(
-      [sys.executable, '-c', 'import sys, time\nfrom pipejax import diskcache\n'
-       'lock = diskcache.FolderLock(sys.argv[1])\nprint("held", flush=True)\ntime.sleep(300)',
-       os.path.join(workdir, elastic.LOCK_FILE)], cwd=root, stdout=subprocess.PIPE, text=True)
-  try:
-    assert holder.stdout.readline().strip() == 'held'
-    config = _config(str(tmp_path / 'p.json'), **{'train.epochs': 1})
+  config = _config(str(tmp_path / 'p.json'), **{'train.epochs': 1})
+  with fixtures.lock_held_elsewhere(os.path.join(workdir, elastic.LOCK_FILE)) as pid:
     assert elastic.main(config, workdir, task='vit') == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
-        f'error: --workdir={workdir} is in use by another run (pid {holder.pid} on '), err
+        f'error: --workdir={workdir} is in use by another run (pid {pid} on '), err
     assert not os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
-  finally:
-    holder.kill()
-    holder.wait()
   assert elastic.main(config, workdir, task='vit') == 0
   assert [r['epoch'] for r in _rows(workdir)] == [0]
   # Released at the end of a run: the same process runs on it again.
