@@ -501,23 +501,19 @@ def run(config, workdir: str | None, task: str,
   the run (:func:`lock_workdir`): a second run started on it meanwhile is
   refused.
   """
-  held: list[diskcache.FolderLock] = []
-  try:
+  with contextlib.ExitStack() as held:
     return _run(config, workdir, task, stop_requested, held)
-  finally:
-    for lock in held:
-      lock.release()
 
 
-def lock_workdir(workdir: str, log: Callable[[str], None] = print
-                 ) -> diskcache.FolderLock | None:
-  """Claims ``workdir`` for this run: ``<workdir>/.lock``, which process 0 of
-  a job of several takes too (so a one-process run and a job exclude each
-  other), the other processes ``.lock.process_<i>``. Two runs writing one
-  workdir would mix their rows and checkpoints: another live run on it is a
-  :class:`ConfigError` naming it, on every process of the job at once
-  (collective with several processes). None (with a warning) where the file
-  system cannot lock."""
+def lock_workdir(workdir: str, held: contextlib.ExitStack,
+                 log: Callable[[str], None] = print) -> None:
+  """Claims ``workdir`` for this run until ``held`` closes: ``<workdir>/.lock``,
+  which process 0 of a job of several takes too (so a one-process run and a
+  job exclude each other), the other processes ``.lock.process_<i>``. Two
+  runs writing one workdir would mix their rows and checkpoints: another live
+  run on it is a :class:`ConfigError` naming it, on every process of the job
+  at once (collective with several processes). Where the file system cannot
+  lock, a warning and no claim."""
   index = jax.process_index()
   path = os.path.join(workdir, LOCK_FILE if index == 0 else f'{LOCK_FILE}.process_{index}')
   lock = refusal = None
@@ -534,16 +530,15 @@ def lock_workdir(workdir: str, log: Callable[[str], None] = print
       who = [i for i, r in enumerate(refused.tolist()) if r]
       refusal = (f'--workdir={workdir} is in use by another run (refused on process'
                  f'{"es" * (len(who) > 1)} {", ".join(map(str, who))})')
+  if lock is not None:
+    held.callback(lock.release)
   if refusal is not None:
-    if lock is not None:
-      lock.release()
     raise ConfigError(f'{refusal}: wait for it to end or stop it, or use another --workdir')
-  return lock
 
 
 def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bool] | None,
-         held: list) -> dict:
-  """:func:`run`, adding the locks it takes to ``held``."""
+         held: contextlib.ExitStack) -> dict:
+  """:func:`run`, holding what it claims until ``held`` closes."""
   start = time.perf_counter()
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
@@ -567,9 +562,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   if not workdir:
     workdir = _fresh_workdir(task)
   check_workdir(workdir, config.checkpoint.enabled)
-  lock = lock_workdir(workdir, _log)
-  if lock is not None:
-    held.append(lock)
+  lock_workdir(workdir, held, _log)
   if distributed.is_main_process():  # the one writer of the run's files
     # left by a killed write of one of them; the user's files stay
     diskcache.remove_stale_tmp(workdir, of=RUN_FILES)
@@ -585,6 +578,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
                       f'{len(data.train)} training samples; lower train.batch_size')
   train_loader, eval_loader = _loaders(config, data)
   mode = 'baseline' if config.freeze.policy == 'none' else 'elastic'
+  plot_title = f'{mode}: {data.name}, {_describe(model)}'
   meta_base = {'identity': ident, 'fingerprint': resume.fingerprint(ident), 'model': model.name}
   # From here on the checkpoint manager (and its threads) is closed on every exit.
   # Starting over opens it only once the old run is removed, which waits until
@@ -634,8 +628,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
           trainer.close()
           png = os.path.join(workdir, 'summary.png')
           if distributed.is_main_process() and not os.path.exists(png):
-            reporting.plot_summary(workdir, reporting.read_rows(workdir),
-                                   f'{mode}: {data.name}, {_describe(model)}')
+            reporting.plot_summary(workdir, reporting.read_rows(workdir), plot_title)
             _log(f'{png} was missing: drawn again from {workdir}/metrics.jsonl')
           return finished
         if past:
@@ -686,7 +679,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   if distributed.is_main_process():
     # The plot first: summary.json marks the run finished (a rerun then trains
     # nothing and writes nothing), so it comes last.
-    reporting.plot_summary(workdir, rows, f'{mode}: {data.name}, {_describe(model)}')
+    reporting.plot_summary(workdir, rows, plot_title)
     reporting.write_summary(workdir, summary)
   resumed = (f' ({process_seconds:.1f}s in this process)' if trainer.seconds_before else '')
   _log(f'done in {summary["total_seconds"]:.1f}s{resumed}: final eval accuracy '

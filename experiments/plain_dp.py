@@ -11,6 +11,7 @@ apply) into ``--workdir``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -35,15 +36,11 @@ from pipejax.trainer import EVAL_BATCH_FACTOR, optimizer_for  # noqa: E402
 def run(config, workdir: str) -> dict:
   """Trains ``config``'s ViT with plain data parallelism; returns the summary.
   The workdir is claimed for the run, as the main job's is."""
-  held = []
-  try:
+  with contextlib.ExitStack() as held:
     return _run(config, workdir, held)
-  finally:
-    for lock in held:
-      lock.release()
 
 
-def _run(config, workdir: str, held: list) -> dict:
+def _run(config, workdir: str, held: contextlib.ExitStack) -> dict:
   start = time.perf_counter()
   elastic.check_config(config, len(jax.devices()))
   devices = jax.devices()[:config.pipeline.devices]
@@ -51,9 +48,7 @@ def _run(config, workdir: str, held: list) -> dict:
   created = elastic.resolve_model(config, data, 'vit')
   # A folder whose outputs' paths are free (before training, not after it).
   elastic.check_workdir(workdir, checkpoints_enabled=False)
-  lock = elastic.lock_workdir(workdir)
-  if lock is not None:
-    held.append(lock)
+  elastic.lock_workdir(workdir, held)
   if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
     raise elastic.ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another '
                               f'--workdir')
