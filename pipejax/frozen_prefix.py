@@ -431,10 +431,8 @@ class FrozenPrefix:
     fits = self.cache.fits()
     combined = ''
     if self.processes > 1:
-      everyone = distributed.gather_exact([forward_seconds, read, write, float(filled), fits])
-      forward_seconds, read, write = (float(v) for v in everyone[:, :3].max(axis=0))
-      filled = bool(everyone[:, 3].all())
-      fits = float(everyone[:, 4].min())
+      forward_seconds, read, write, filled, fits = combine_decision_inputs(
+          distributed.gather_exact([forward_seconds, read, write, float(filled), fits]))
       combined = f' (timings: the slowest of {self.processes} processes)'
     decision = autocache_policy.decide_caching(depth, forward_seconds, read, write, epochs_ahead,
                                                filled, fits=fits, batch_size=size)
@@ -545,6 +543,15 @@ class FrozenPrefix:
       return {}
     return {**{f'cache_{k}': v for k, v in self.cache.stats().items()},
             'cached_ids': self.cache.cached_ids().tolist()}
+
+
+def combine_decision_inputs(everyone: np.ndarray) -> tuple[float, float, float, bool, float]:
+  """The caching decision's inputs agreed by several processes, from a row
+  per process of ``(forward, read, write seconds, filled, fits)``: the
+  slowest process's timings, filled only if every process's cache is, and
+  the smallest fraction of its samples that a process's budgets hold."""
+  forward_seconds, read, write = (float(v) for v in everyone[:, :3].max(axis=0))
+  return forward_seconds, read, write, bool(everyone[:, 3].all()), float(everyone[:, 4].min())
 
 
 def make_cache(config, model: LayeredModel, source, params: Params, workdir: str,

@@ -15,6 +15,7 @@ from pipejax.autocache import ActivationCache, CacheMismatchError, storage_error
 from pipejax.autocache_policy import (CachingDecision, caching_allowed, decide_caching,
                                       keep_caching)
 from pipejax.data import ArraySource, Loader, ShardedLoader, host_subset
+from pipejax.frozen_prefix import combine_decision_inputs
 from tests import fixtures
 
 SEQ, HIDDEN, LAYERS = 5, 8, 9
@@ -630,6 +631,18 @@ def test_decide_caching():
   d = decide_caching(3, 0.10, 0.02, 0.05, epochs_ahead=3)
   assert d.seconds_without == pytest.approx(0.30) and d.seconds_with == pytest.approx(0.19)
 
+
+
+def test_processes_agree_on_the_slowest_timings_and_the_least_cached():
+  """With several processes the decision's inputs are combined so that
+  caching must pay on every process: each timing is the slowest process's,
+  the cache is filled only if every process's is, and the fraction that fits
+  is the smallest. Each column's extreme sits on a different process."""
+  everyone = np.array([[0.10, 0.02, 0.07, 1.0, 0.50],
+                       [0.30, 0.01, 0.05, 0.0, 1.00],
+                       [0.20, 0.04, 0.06, 1.0, 0.75]])
+  assert combine_decision_inputs(everyone) == (0.30, 0.04, 0.07, False, 0.50)
+  assert combine_decision_inputs(everyone[[0, 2]]) == (0.20, 0.04, 0.07, True, 0.50)
 
 def test_a_cache_that_holds_part_of_the_samples_pays_a_forward_for_every_batch_with_a_miss():
   """A batch is served from the cache only when all its samples hit; the

@@ -152,6 +152,39 @@ def test_auto_outside_a_cluster_is_one_line(tmp_path):
   assert 'Traceback' not in out.stderr + out.stdout
 
 
+def test_a_stop_is_agreed_at_every_tenth_poll_when_any_process_asked(monkeypatch):
+  """``agreed_stop`` with two processes (the process count and the gather
+  faked; the job tests below only see a combine that happens to agree):
+  between its tenth polls it answers False without asking, and at them it
+  stops every process when any one was asked, this one or its peer."""
+  import jax  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  local, peer, gathered, asked = {'asks': True}, {'asks': False}, [], []
+
+  def allgather(values):
+    gathered.append(int(values[0]))
+    return np.stack([values, np.array([int(peer['asks'])], np.int32)])
+
+  def stop_requested():
+    asked.append(1)
+    return local['asks']
+
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(multihost_utils, 'process_allgather', allgather)
+  assert distributed.agreed_stop(None) is None
+  poll = distributed.agreed_stop(stop_requested)
+  assert [poll() for _ in range(9)] == [False] * 9 and not asked and not gathered
+  assert poll() is True and gathered == [1]
+  local['asks'], peer['asks'] = False, True
+  assert [poll() for _ in range(9)] == [False] * 9 and gathered == [1]
+  assert poll() is True and gathered == [1, 0]  # only the peer was asked
+  peer['asks'] = False
+  assert [poll() for _ in range(10)] == [False] * 10 and gathered == [1, 0, 0]
+  assert len(asked) == 3
+  monkeypatch.setattr(jax, 'process_count', lambda: 1)
+  assert distributed.agreed_stop(stop_requested) is stop_requested  # one process: every poll
+
+
 # -- a job of two processes ------------------------------------------------------------------
 # One job at a time (see pyproject's addopts): on a starved CPU a process can
 # fall more than gloo's fixed 30 s behind its peer at a new collective.

@@ -76,6 +76,11 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
   with pytest.raises(TrainingInterrupted) as stopped:  # the resumed epoch's end
     elastic.run(config(), workdir, task='vit', stop_requested=_stop_at(2))
   assert (stopped.value.epoch, stopped.value.step) == (1, 6)
+  # Epoch 1's row is this process's: its 2 steps (not the epoch's 3) over its seconds.
+  resumed = _rows(workdir)[1]
+  assert resumed['epoch'] == 1 and resumed['transition_seconds'] == 0
+  assert resumed['samples_per_second'] * resumed['epoch_seconds'] == pytest.approx(
+      2 * config().train.batch_size)
   fewer = str(tmp_path / 'fewer-devices')
   shutil.copytree(workdir, fewer)
   summary = elastic.run(config(), workdir, task='vit')
