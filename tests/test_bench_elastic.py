@@ -14,7 +14,7 @@ def _result(total, policy_none, accuracy):
   k = [4, 4, 4] if policy_none else [4, 4, 2]
   replicas = [1, 1, 1] if policy_none else [1, 1, 2]
   rows = [{'epoch': e, 'frozen_layers': f, 'pipeline_length': kk, 'replicas': r,
-           'step': 10 * (e + 1), 'cache': False, 'epoch_seconds': 2.0 if kk == 4 else 1.0,
+           'step': 10 * (e + 1), 'cache': e == 2 and not policy_none, 'epoch_seconds': 2.0 if kk == 4 else 1.0,
            'transition_seconds': 0.0 if policy_none else 0.5, 'eval_seconds': 0.25,
            'checkpoint_seconds': 0.1, 'wall_seconds': 3.0 * (e + 1), 'eval_accuracy': accuracy}
           for e, (f, kk, r) in enumerate(zip(frozen, k, replicas, strict=True))]
@@ -42,7 +42,8 @@ def _fake(calls, elastic_totals, baseline_totals, elastic_acc=0.97, baseline_acc
 
 def test_pairs_alternate_and_the_ratio_is_over_all_pairs(tmp_path, monkeypatch, capsys):
   calls = []
-  monkeypatch.setattr(bench_elastic, '_run', _fake(calls, [30.0, 20.0, 34.0], [40.0, 40.0, 40.0]))
+  monkeypatch.setattr(bench_elastic, '_run', _fake(calls, [30.0, 20.0, 34.0], [40.0, 20.0, 60.0],
+                                                   elastic_acc=[0.97, 0.966, 0.966]))
   assert bench_elastic.main(['--workdir', str(tmp_path / 'b'), '--repeats', '3',
                              '--config.train.epochs=3']) == 0
   # Warm-ups first, then pairs with the first run alternating.
@@ -50,18 +51,27 @@ def test_pairs_alternate_and_the_ratio_is_over_all_pairs(tmp_path, monkeypatch, 
                    'baseline-1', 'elastic-1', 'elastic-2', 'baseline-2']
   with open(tmp_path / 'b' / 'bench_elastic.json') as f:
     out = json.load(f)
+  # The ratio of the sums, not the mean of the pairs' ratios (0.75, 1.0, 0.567: 0.772).
   assert out['ratio_of_sums'] == pytest.approx(84 / 120)
   assert out['process_ratio_of_sums'] == pytest.approx(93 / 129)  # 3 s more per process
+  assert [(p['elastic_process_seconds'], p['baseline_process_seconds']) for p in out['pairs']] == [
+      (33.0, 43.0), (23.0, 23.0), (37.0, 63.0)]
+  # Pair 1's run stands for the runs' accuracy and plan (the plan is the same in every pair).
+  assert out['final_eval_accuracy'] == {'elastic': 0.97, 'baseline': 0.975}
+  assert out['elastic_plan'] == {'frozen_layers': [0, 2, 3], 'pipeline_length': [4, 4, 2],
+                                 'replicas': [1, 1, 2]}
   assert out['command'] == ('python -m experiments.bench_elastic --workdir '
                             f'{tmp_path / "b"} --repeats 3 --config.train.epochs=3')
   assert out['median_ratio'] == pytest.approx(0.75)
+  assert [p['ratio'] for p in out['pairs']] == pytest.approx([0.75, 1.0, 34 / 60])
   assert [p['first'] for p in out['pairs']] == ['elastic', 'baseline', 'elastic']
   assert out['passthrough'] == ['--config.train.epochs=3']
   met = {c['criterion']: c['met'] for c in out['criteria']}
   assert all(met.values()), met  # 0.700 is within the target
-  # Limits: 3 epochs of 80 samples; frozen 0, 2, 3 of 4 blocks.
+  # Limits: 3 epochs of 80 samples; frozen 0, 2, 3 of 4 blocks; the last epoch cached.
   work = 16 + (8 + 2) + (4 + 3)
   assert out['limits']['frozen_forward_only'] == pytest.approx(48 / work)
+  assert out['limits']['cached_blocks_free'] == pytest.approx(48 / (work - 3))
   phases = out['seconds_by_phase']['elastic']
   assert phases['epochs_at_starting_k'] == pytest.approx(4.0)
   assert phases['epochs_after'] == pytest.approx(1.0)
@@ -98,9 +108,29 @@ def test_criteria_hold_in_every_pair_and_strict_exits_non_zero(tmp_path, monkeyp
   out = capsys.readouterr().out
   assert ('[NOT met] within 1 point of the baseline: 0.9694 vs 0.9794 (-1.00 points); '
           'pair 2: 0.9500 vs 0.9794 (-2.94 points)') in out
+  assert '[met] final eval accuracy >= 0.95: 0.9694; pair 2: 0.9500' in out  # 0.95 is enough
   assert '[met] wall time <= 0.70 x the baseline: 0.500' in out
   assert bench_elastic.main(['--workdir', str(tmp_path / 'c'), '--repeats', '2',
                              '--no-warmup', '--strict']) == 1
+
+
+@pytest.mark.parametrize('key, values', [
+    ('frozen_layers', [0, 0, 0]),      # nothing froze
+    ('frozen_layers', [0, 3, 2]),      # a block unfroze
+    ('pipeline_length', [4, 4, 4]),    # K never shrank
+    ('pipeline_length', [4, 2, 4]),    # K shrank, then grew back to its start
+    ('replicas', [1, 1, 1]),           # R never grew
+    ('replicas', [1, 2, 1])])          # R grew, then fell back
+def test_a_plan_that_does_not_freeze_compress_and_replicate_to_the_end_is_not_met(key, values):
+  elastic, baseline = _result(20.0, False, 0.97), _result(40.0, True, 0.97)
+  for row, value in zip(elastic['rows'], values, strict=True):
+    row[key] = value
+  criteria = {'frozen_layers': 'frozen layers rise',
+              'pipeline_length': 'K shrinks from its starting length', 'replicas': 'R grows'}
+  met = {c['criterion']: c['met'] for c in bench_elastic.verdict(elastic, baseline, 0.5)}
+  assert met == {**{name: name != criteria[key] for name in criteria.values()},
+                 'final eval accuracy >= 0.95': True, 'within 1 point of the baseline': True,
+                 'wall time <= 0.70 x the baseline': True}
 
 
 @pytest.mark.parametrize('argv, message', [
