@@ -1,5 +1,6 @@
 """experiments.bench_cache: the frozen-forward time the cache saved, and its
 argument checks (the real runs are the main job's own tests)."""
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +32,57 @@ def test_forward_saved_prices_each_hit_at_its_depths_batch_forward(mode, batches
   rows[1]['frozen_layers'] = 1  # no decision at F=1: its hits are not priced
   assert bench_cache._forward_saved(_summary(mode), rows) == pytest.approx(  # noqa: SLF001
       expected - 32 / batches[1] * 0.4)
+
+
+def test_each_variant_is_its_median_run_and_is_compared_with_the_uncached_median(
+    tmp_path, monkeypatch):
+  """Three interleaved repeats (after the warm-ups): each variant's row is its
+  run with the median total, its speed-up is over `off`'s median run, and
+  only the cached variants are credited with the forward the cache saved."""
+  totals = {'always': [30.0, 10.0, 20.0], 'profile': [25.0, 26.0, 24.0],
+            'off': [40.0, 60.0, 50.0]}
+  calls = []
+
+  def run(workdir, args):
+    name = os.path.basename(workdir)
+    calls.append((name, list(args)))
+    variant, repeat = name.rsplit('-', 1)
+    total = 99.0 if variant == 'warmup' else totals[variant][int(repeat)]
+    cached = variant != 'off' and not name.startswith('warmup-off')
+    rows = [{'epoch': e, 'frozen_layers': 2 * e, 'replicas': 1, 'cache': cached and e > 0,
+             'cache_hits': 16 * e if cached else 0, 'epoch_seconds': total / 4,
+             'samples_per_second': 100.0} for e in range(3)]
+    summary = {'total_seconds': total, 'final_eval_accuracy': 0.9,
+               'config': {'train': {'batch_size': 8, 'batch_mode': 'constant'}},
+               'cache_decisions': [{'num_frozen_layers': 2, 'forward_seconds': total / 100},
+                                   {'num_frozen_layers': 4, 'forward_seconds': total / 50}]}
+    return {'summary': summary, 'rows': rows, 'process_seconds': total + 1}
+
+  monkeypatch.setattr(bench_cache, '_run', run)
+  assert bench_cache.main(['--workdir', str(tmp_path / 'b'), '--repeats', '3']) == 0
+  args = dict(calls)
+  assert args['off-0'] == ['--config.cache.enabled=False']
+  assert args['always-0'] == ['--config.cache.policy=always']
+  assert args['profile-0'] == ['--config.cache.policy=profile']
+  with open(tmp_path / 'b' / 'bench_cache.json') as f:
+    rows = {r['variant']: r for r in json.load(f)['rows']}
+  assert {v: r['total_seconds'] for v, r in rows.items()} == {
+      'always': 20.0, 'profile': 25.0, 'off': 50.0}
+  assert {v: r['all_total_seconds'] for v, r in rows.items()} == totals
+  assert {v: r['speedup_vs_off'] for v, r in rows.items()} == pytest.approx(
+      {'always': 2.5, 'profile': 2.0, 'off': 1.0})
+  assert rows['off']['train_seconds'] == pytest.approx(3 * 50.0 / 4)
+  # 16 hits at F=2 and 16 more at F=4, batches of 8, at the median run's forwards.
+  for variant, total in (('always', 20.0), ('profile', 25.0)):
+    assert rows[variant]['forward_seconds_saved'] == pytest.approx(
+        2 * total / 100 + 2 * total / 50)
+  assert rows['off']['forward_seconds_saved'] == 0.0
+  # With an even count the faster of the two middle runs stands for the variant.
+  assert bench_cache.main(['--workdir', str(tmp_path / 'c'), '--repeats', '2',
+                           '--no-warmup']) == 0
+  with open(tmp_path / 'c' / 'bench_cache.json') as f:
+    assert {r['variant']: r['total_seconds'] for r in json.load(f)['rows']} == {
+        'always': 10.0, 'profile': 25.0, 'off': 40.0}
 
 
 def test_bad_repeats_is_refused_before_any_run_or_directory(tmp_path, capsys, monkeypatch):
