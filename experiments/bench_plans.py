@@ -113,20 +113,19 @@ def _bench(config, workdir: str) -> int:
       seconds[v].append(time_plan(0, False) if v == (0, False) else time_plan(*v))
   step = {f: float(np.median(seconds[f, False])) for f in plans}
   padded_step = {f: float(np.median(seconds[f, True])) for f in padded}
-  blocks = model.num_layers
+  figures = ratios(step, padded_step, frozen, model.num_layers)
   rows = []
   for f, plan in plans.items():
     rows.append({'frozen_layers': f, 'pipeline_length': plan.pipeline_length,
                  'replicas': plan.replicas, 'micro_batches': plan.micro_batches,
                  'slot_width': plan.partition.tables.num_slots,
-                 'step_seconds': step[f], 'ratio_to_baseline': step[f] / step[0],
+                 'step_seconds': step[f], 'ratio_to_baseline': figures['ratio_to_baseline'][f],
                  'padded_slot_width': (padded[f].partition.tables.num_slots
                                        if f in padded else None),
                  'padded_step_seconds': padded_step.get(f),
-                 'flop_ratio': (4 * (blocks - f) + f) / (4 * blocks)})
-  predicted = sum(step[f] for f in frozen) / (epochs * step[0])
-  predicted_padded = sum(padded_step.get(f, step[f]) for f in frozen) / (epochs * step[0])
-  limit = sum((4 * (blocks - f) + f) for f in frozen) / (epochs * 4 * blocks)
+                 'flop_ratio': figures['flop_ratio'][f]})
+  predicted, predicted_padded, limit = (figures[k] for k in (
+      'predicted', 'predicted_padded', 'limit'))
   print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"slots":>5} {"step ms":>8} {"ratio":>6} '
         f'{"FLOP ratio":>10} {"padded ms":>14}')
   for r in rows:
@@ -144,6 +143,23 @@ def _bench(config, workdir: str) -> int:
                          lambda f: json.dump(out, f, indent=2))
   print(f'wrote {workdir}/bench_plans.json')
   return 0
+
+
+def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[int],
+           blocks: int) -> dict:
+  """The table's figures from each depth's step seconds (``step[0]``: the
+  baseline's; ``padded_step``: the depths a kept slot width pads): each
+  step's ratio to the baseline's and its FLOP ratio (a trained block 4 units,
+  a computed frozen one 1), and over the epochs' depths ``frozen`` the
+  predicted train-time ratio, with padding, and the FLOP limit's."""
+  def flops(f):
+    return 4 * (blocks - f) + f
+  baseline = len(frozen) * step[0]
+  return {'ratio_to_baseline': {f: s / step[0] for f, s in step.items()},
+          'flop_ratio': {f: flops(f) / flops(0) for f in step},
+          'predicted': sum(step[f] for f in frozen) / baseline,
+          'predicted_padded': sum(padded_step.get(f, step[f]) for f in frozen) / baseline,
+          'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
 
 
 def _plans(trainer: Trainer, frozen: list[int], keep_slot_width: bool) -> dict:

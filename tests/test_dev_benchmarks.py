@@ -1,13 +1,15 @@
 """The developer benchmarks `bench_autocache` and `bench_pipeline`: a tiny run
 of each writes the rows it prints, and bad flags are one line, exit 2, before
-anything is built or written."""
+anything is built or written; `bench_plans`' figures from its step times."""
 import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
+from experiments import bench_plans
 from pipejax import schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,3 +72,18 @@ def test_developer_benchmarks_refuse_bad_flags_in_one_line(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert 'Traceback' not in out.stderr and message in last, (module, args, out.stderr)
     assert not os.path.exists(workdir / f'{module}.json')
+
+
+def test_bench_plans_figures_from_the_step_times():
+  """4 blocks, epochs at depths 0, 2, 2, 3 (a depth repeated: its step
+  counts once per epoch). FLOPs: 16 units at F = 0, 10 at F = 2, 7 at F = 3.
+  F = 2 is padded (slower) with a kept slot width."""
+  figures = bench_plans.ratios({0: 1.0, 2: 0.6, 3: 0.5}, {2: 0.8}, [0, 2, 2, 3], blocks=4)
+  assert figures['ratio_to_baseline'] == pytest.approx({0: 1.0, 2: 0.6, 3: 0.5})
+  assert figures['flop_ratio'] == pytest.approx({0: 1.0, 2: 10 / 16, 3: 7 / 16})
+  assert figures['predicted'] == pytest.approx((1.0 + 0.6 + 0.6 + 0.5) / 4)
+  assert figures['predicted_padded'] == pytest.approx((1.0 + 0.8 + 0.8 + 0.5) / 4)
+  assert figures['limit'] == pytest.approx((16 + 10 + 10 + 7) / (4 * 16))
+  # Twice the baseline's step: every ratio halves.
+  assert bench_plans.ratios({0: 2.0, 2: 0.6, 3: 0.5}, {}, [0, 2, 2, 3], blocks=4)[
+      'predicted'] == pytest.approx((2.0 + 0.6 + 0.6 + 0.5) / 8)
