@@ -349,7 +349,6 @@ def test_microbatch_sweep(tmp_path, monkeypatch, batch_mode):
   assert os.path.getsize(tmp_path / 'microbatches.png') > 1000
 
 
-
 def _sweep_on_a_fake_clock(tmp_path, monkeypatch, **overrides):
   """``reproduce_microbatches.sweep`` with no step run or compiled: each
   step advances a fake clock by 8/M seconds, so M's step time is known."""
@@ -410,8 +409,12 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
   # accuracies not at all; at most one of digits' 359 evaluation samples may flip.
   np.testing.assert_allclose([r['train_loss'] for r in rows[0]],
                              [r['train_loss'] for r in rows[1]], rtol=1e-6)
+  samples = config.train.max_steps_per_epoch * config.train.batch_size
   for dp, pp in zip(rows[0], rows[1], strict=True):
     assert dp['eval_accuracy'] == pytest.approx(pp['eval_accuracy'], abs=1.01 / 359)
+    assert dp['eval_accuracy'] * 359 == pytest.approx(round(dp['eval_accuracy'] * 359))
+    assert dp['train_accuracy'] == pytest.approx(pp['train_accuracy'], abs=1.01 / samples)
+    assert dp['replicas'] == config.pipeline.devices
   assert plain['final_eval_accuracy'] == pytest.approx(pipe['final_eval_accuracy'],
                                                        abs=1.01 / 359)
   assert plain['eval_batch_size'] == 4 * config.train.batch_size  # the main job's default
