@@ -203,17 +203,19 @@ def test_a_speed_target_reached_exactly_is_met(tmp_path):
                                 'accuracy_points': True}
 
 
-def test_cached_blocks_free_ignores_the_cache_s_own_passes():
-  """``cache_free``: cached blocks cost nothing, the cache's layer passes
-  included, also when no transition says where the cache began (the rows'
-  flags do). 2 samples x 4 blocks x 4 units x 20 steps = 2560 for the
-  baseline; the run: 10 steps of 4 trained blocks (1280), 10 steps of 2
-  trained and 2 cached blocks (640, plus the cache's 16 passes unless free)."""
+def test_without_the_cache_frozen_blocks_cost_their_forward_in_cached_epochs():
+  """``cache_free`` (the forward-only limit: as if no depth were served by
+  the cache) prices frozen blocks at their forward also in an epoch whose
+  row says it was cached, when no transition says where the cache began.
+  Baseline: 20 steps x 8 samples x 4 blocks x 4 units = 2560. The run: 10
+  steps of 4 trained blocks (1280), then 10 steps of 2 trained blocks and 2
+  frozen ones: 800 at their forward, or 640 and the cache's 16 passes."""
   rows = [_row(0, 0, 10), _row(1, 2, 20, cache=True, passes=16)]
   assert reproduce.flop_limit_speedup(_summary(), rows, cache_free=True) == pytest.approx(
-      2560 / (1280 + 640))
+      2560 / (1280 + 800))
   assert reproduce.flop_limit_speedup(_summary(), rows) == pytest.approx(
       2560 / (1280 + 640 + 16))
+
 
 def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
   """A --config file with another α or seed: the rows say what ran, not the
