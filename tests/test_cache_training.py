@@ -135,6 +135,10 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
   assert [t.cache for t in trainer.transitions] == [True, True, True]  # recorded per transition
   assert [(d.num_frozen_layers, d.measured_at, d.filled, d.use_cache) for d in decisions] == [
       (3, 3, False, True), (4, 4, True, True), (5, 4, True, True)]
+  # Each decision prices the epochs left (4 epochs, decided after epochs 0, 1, 2) in
+  # the batches this process trains.
+  assert [d.epochs_ahead for d in decisions] == [3, 2, 1]
+  assert [d.batch_size for d in decisions] == [config.train.batch_size] * 3
   kept = decisions[-1]
   assert (kept.read_seconds, kept.forward_seconds) == (decisions[1].read_seconds,
                                                        decisions[1].forward_seconds)
@@ -145,6 +149,10 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
   stats = trainer.prefix.cache.stats()
   assert stats['repeated_layer_passes'] == 0 and stats['layer_passes'] == 64 * 5
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 5)
+
+
+def _never_computed(rows):
+  raise AssertionError(f'{len(rows)} entries were computed, not read from the cache')
 
 
 def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypatch):
@@ -166,6 +174,15 @@ def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypa
   batches = loader.batch_ids(2)
   lacking = np.setdiff1d(np.concatenate(batches), np.concatenate(loader.batch_ids(1)))
   assert 0 < len(lacking) <= 8 and np.all(cache.depths(lacking) == -1)
+  # The entries filled at F = 2 went to F = 3 in one call of 80 rows (72 samples
+  # round up to 5 whole batches of 16) whose padding rows were dropped.
+  assert trainer.prefix.advance_size(config.train.batch_size) == 80
+  advanced = np.concatenate(loader.batch_ids(1))
+  expected = trainer.model.hidden_states(
+      trainer.canonical_params(), {k: data[k][advanced] for k in trainer.model.input_keys},
+      upto_layer=3)
+  np.testing.assert_allclose(type(cache).fetch(cache, advanced, _never_computed),
+                             np.asarray(expected), rtol=1e-5, atol=1e-6)
   misses = cache.stats()['misses']
   fetched = []
   real_fetch = type(cache).fetch
