@@ -151,6 +151,36 @@ def test_a_filled_cache_that_won_is_kept_at_deeper_depths_without_timing(monkeyp
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 5)
 
 
+def test_policy_always_caches_where_the_decision_says_no_on_the_fastest_rounds(monkeypatch):
+  """``cache.policy=always`` caches although the decision (still taken and
+  logged) finds the forward cheaper; the decision's read and write are each
+  the fastest of its timing rounds, so one round slowed by the machine does
+  not decide (here the first round's take a second each)."""
+  rounds = []
+
+  def measure_io(self, hidden):
+    rounds.append(len(hidden))
+    return (1.0, 1.0) if len(rounds) == 1 else (0.0, 0.0)  # (write, read)
+
+  monkeypatch.setattr(ActivationCache, 'measure_io', measure_io)
+  decide_caching = autocache_policy.decide_caching
+  monkeypatch.setattr(autocache_policy, 'decide_caching',  # a free forward: the cache loses
+                      lambda depth, forward, read, write, *args, **kwargs: decide_caching(
+                          depth, 0.0, read, write, *args, **kwargs))
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=2)
+  with config.unlocked():
+    config.cache.update(policy='always')
+  lines = []
+  trainer, _ = _trainer(config)
+  trainer.prefix.log = lines.append
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
+  [decision] = trainer.prefix.decisions
+  assert len(rounds) > 1 and not decision.use_cache and trainer.prefix.use_cache
+  assert decision.read_seconds < 1 and decision.write_seconds < 1
+  assert any('policy always: caching' in line for line in lines), lines
+
+
 def _never_computed(rows):
   raise AssertionError(f'{len(rows)} entries were computed, not read from the cache')
 
