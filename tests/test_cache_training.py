@@ -181,6 +181,52 @@ def test_policy_always_caches_where_the_decision_says_no_on_the_fastest_rounds(m
   assert any('policy always: caching' in line for line in lines), lines
 
 
+def test_the_fill_epoch_defers_its_writes_and_a_cache_that_stops_paying_is_emptied(
+    monkeypatch):
+  """The epoch that fills an empty cache feeds every batch from the devices
+  and stores its host copy later (no fetch in the step stream); when the next
+  decision finds the forward cheaper, the entries are dropped, not kept at a
+  depth nothing reads."""
+  decide_caching, decided = autocache_policy.decide_caching, []
+
+  def decide(depth, forward, read, write, *args, **kwargs):
+    decided.append(depth)  # first the cache wins (free reads and writes), then
+    # it loses (a free forward)
+    if len(decided) == 1:
+      return decide_caching(depth, forward, 0.0, 0.0, *args, **kwargs)
+    return decide_caching(depth, 0.0, max(read, 1e-6), write, *args, **kwargs)
+
+  monkeypatch.setattr(autocache_policy, 'decide_caching', decide)
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(policy='profile')
+  trainer, _ = _trainer(config, num_layers=6)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, sample)
+  assert trainer.prefix.use_cache
+  calls = []
+
+  def spy(name):
+    real = getattr(ActivationCache, name)
+
+    def called(self, *args, **kwargs):
+      calls.append(name)
+      return real(self, *args, **kwargs)
+    return called
+
+  for name in ('defer', 'fetch'):
+    monkeypatch.setattr(ActivationCache, name, spy(name))
+  trainer.train_epoch(1, _Bar())
+  assert calls == ['defer'] * trainer.train_loader.steps_per_epoch()
+  cache = trainer.prefix.cache
+  assert cache.stats()['memory_entries'] + cache.stats()['disk_entries'] > 0
+  trainer.maybe_transition(1, sample)
+  assert [d.use_cache for d in trainer.prefix.decisions] == [True, False]
+  assert not trainer.prefix.use_cache
+  assert cache.stats()['memory_entries'] + cache.stats()['disk_entries'] == 0
+
+
 def _never_computed(rows):
   raise AssertionError(f'{len(rows)} entries were computed, not read from the cache')
 
