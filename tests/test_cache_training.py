@@ -155,7 +155,8 @@ def test_policy_always_caches_where_the_decision_says_no_on_the_fastest_rounds(m
   """``cache.policy=always`` caches although the decision (still taken and
   logged) finds the forward cheaper; the decision's read and write are each
   the fastest of its timing rounds, so one round slowed by the machine does
-  not decide (here the first round's take a second each)."""
+  not decide (here the first round's take a second each), and it is told
+  the fraction of the samples the budgets hold."""
   rounds = []
 
   def measure_io(self, hidden):
@@ -163,6 +164,7 @@ def test_policy_always_caches_where_the_decision_says_no_on_the_fastest_rounds(m
     return (1.0, 1.0) if len(rounds) == 1 else (0.0, 0.0)  # (write, read)
 
   monkeypatch.setattr(ActivationCache, 'measure_io', measure_io)
+  monkeypatch.setattr(ActivationCache, 'fits', lambda self: 0.25)  # budgets for a quarter
   decide_caching = autocache_policy.decide_caching
   monkeypatch.setattr(autocache_policy, 'decide_caching',  # a free forward: the cache loses
                       lambda depth, forward, read, write, *args, **kwargs: decide_caching(
@@ -178,6 +180,7 @@ def test_policy_always_caches_where_the_decision_says_no_on_the_fastest_rounds(m
   [decision] = trainer.prefix.decisions
   assert len(rounds) > 1 and not decision.use_cache and trainer.prefix.use_cache
   assert decision.read_seconds < 1 and decision.write_seconds < 1
+  assert decision.fits == 0.25
   assert any('policy always: caching' in line for line in lines), lines
 
 
