@@ -14,7 +14,8 @@ def _result(total, policy_none, accuracy):
   k = [4, 4, 4] if policy_none else [4, 4, 2]
   replicas = [1, 1, 1] if policy_none else [1, 1, 2]
   rows = [{'epoch': e, 'frozen_layers': f, 'pipeline_length': kk, 'replicas': r,
-           'step': 10 * (e + 1), 'cache': e == 2 and not policy_none, 'epoch_seconds': 2.0 if kk == 4 else 1.0,
+           'step': 10 * (e + 1), 'cache': e == 2 and not policy_none,
+           'epoch_seconds': 2.0 if kk == 4 else 1.0,
            'transition_seconds': 0.0 if policy_none else 0.5, 'eval_seconds': 0.25,
            'checkpoint_seconds': 0.1, 'wall_seconds': 3.0 * (e + 1), 'eval_accuracy': accuracy}
           for e, (f, kk, r) in enumerate(zip(frozen, k, replicas, strict=True))]

@@ -190,7 +190,6 @@ def test_the_accuracy_target_is_the_baseline_minus_full_in_points(tmp_path, drop
   assert out['targets_met']['accuracy_points'] is met
 
 
-
 def test_a_speed_target_reached_exactly_is_met(tmp_path):
   """The issue's targets are "at least": 2.5x the baseline and 1.3x plain_dp."""
   out = reproduce.breakdown(_FakeRunner(alpha=0.2), str(tmp_path))  # 30 s / 12 s
@@ -395,6 +394,7 @@ def test_the_sweep_times_each_k_at_the_first_depth_that_reaches_it(tmp_path, mon
       'train.epochs': 6, 'model.num_layers': 8, 'freeze.alpha': 0.2})
   assert out['lengths'] == {'4': 0, '2': 5}
   assert {(r['pipeline_length'], r['frozen_layers']) for r in out['rows']} == {(4, 0), (2, 5)}
+
 
 def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
   """Same initial weights, batches, optimizer and schedule: plain data
