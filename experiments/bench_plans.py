@@ -20,11 +20,26 @@ A plan that keeps the previous plan's K runs at its own, narrower slot width
 (the trainer's default); with ``freeze.keep_slot_width=True`` the trainer
 pads it to the width of the previous plan's step instead. Each such plan is
 timed both ways in the same interleaved rounds (column ``padded ms``).
+
+Beside each step's wall time, per step: the CPU time the process used (all
+its threads) and its threads' context switches (counted by Linux in
+``/proc``), of the same passes as the step time. With ``--perf`` each plan's
+steps also run for a few seconds under ``perf record`` (Linux ``perf``,
+allowed to attach to the process), and a second table splits the samples by
+what the CPU was doing: the compiled program's kernels (the arithmetic), the
+OS kernel switching threads (XLA:CPU runs each fake device on a thread of its
+own, and every collective is a rendezvous of those threads), the rest of the
+OS kernel, memory allocation and copies, the rest of XLA's runtime, and the
+rest. ``DIR/perf-F<F>.data`` stay for ``perf report``.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
+import subprocess
 import sys
 import time
 
@@ -43,19 +58,26 @@ from pipejax.trainer import Trainer  # noqa: E402
 
 
 def main(argv=None) -> int:
+  argv = list(sys.argv if argv is None else argv)
+  perf = '--perf' in argv[1:]
+  argv = [a for i, a in enumerate(argv) if i == 0 or a != '--perf']
+  if perf and shutil.which('perf') is None:
+    print('error: --perf needs Linux perf on the PATH (e.g. the linux-perf package)',
+          file=sys.stderr)
+    return 2
   # The main job's own config file and flags: the same keys, types and checks.
   parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
   config, workdir = parsed
   try:
-    return _bench(config, workdir)
-  except (elastic.KNOWN_ERRORS + (OSError,)) as e:  # bad input, the machine's files: one line
+    return _bench(config, workdir, perf)
+  except (elastic.KNOWN_ERRORS + (OSError, PerfError)) as e:  # bad input, the machine: one line
     print(f'error: {e}', file=sys.stderr)
     return 2
 
 
-def _bench(config, workdir: str) -> int:
+def _bench(config, workdir: str, perf: bool = False) -> int:
   with config.unlocked():
     config.checkpoint.enabled = False
     config.cache.enabled = False
@@ -93,19 +115,31 @@ def _bench(config, workdir: str) -> int:
     jax.block_until_ready(trainer.state)
     states[f, pad], steps[f, pad] = trainer.state, fn
 
-  def time_plan(f, pad, rounds=3):
+  def run_steps(f, pad):
+    """One pass over the batches with ``(f, pad)``'s step, to its end."""
     plan = (padded if pad else plans)[f]
     trainer.plan, trainer.state = plan, states[f, pad]
-    best = float('inf')
-    for _ in range(rounds):
-      jax.block_until_ready(trainer.state)
-      start = time.perf_counter()
-      for i, b in zip(ids, batches):
-        trainer._run_step(steps[f, pad], trainer._feed(i, b, plan))  # noqa: SLF001
-      jax.block_until_ready(trainer.state)
-      best = min(best, (time.perf_counter() - start) / len(batches))
+    jax.block_until_ready(trainer.state)
+    for i, b in zip(ids, batches):
+      trainer._run_step(steps[f, pad], trainer._feed(i, b, plan))  # noqa: SLF001
+    jax.block_until_ready(trainer.state)
     states[f, pad] = trainer.state
-    return best
+
+  usage = {v: [] for v in variants}  # (CPU seconds, switches) a step, per round
+
+  def time_plan(f, pad, rounds=3):
+    """The best of ``rounds`` passes, seconds a step; records the CPU and
+    switches of the best pass."""
+    best, best_usage = float('inf'), None
+    for _ in range(rounds):
+      before, start = process_counters(), time.perf_counter()
+      run_steps(f, pad)
+      wall, after = time.perf_counter() - start, process_counters()
+      if wall < best:
+        best, best_usage = wall, tuple(None if b is None or a is None else (a - b) / len(batches)
+                                       for a, b in zip(after, before))
+    usage[f, pad].append(best_usage)
+    return best / len(batches)
 
   seconds = {v: [] for v in variants}
   for _ in range(3):  # interleaved with the baseline (F=0)
@@ -113,6 +147,14 @@ def _bench(config, workdir: str) -> int:
       seconds[v].append(time_plan(0, False) if v == (0, False) else time_plan(*v))
   step = {f: float(np.median(seconds[f, False])) for f in plans}
   padded_step = {f: float(np.median(seconds[f, True])) for f in padded}
+  cpu, switches = ({f: _median([u[i] for u in usage[f, False]]) for f in plans}
+                   for i in (0, 1))
+  profiles = {}
+  if perf:
+    for f in plans:  # one plan at a time: perf's samples are the plan's
+      path = os.path.join(workdir, f'perf-F{f}.data')
+      print(f'perf record: F={f} ...', flush=True)
+      profiles[f] = perf_profile(lambda f=f: run_steps(f, False), PERF_SECONDS, path)
   figures = ratios(step, padded_step, frozen, model.num_layers)
   rows = []
   for f, plan in plans.items():
@@ -123,17 +165,30 @@ def _bench(config, workdir: str) -> int:
                  'padded_slot_width': (padded[f].partition.tables.num_slots
                                        if f in padded else None),
                  'padded_step_seconds': padded_step.get(f),
-                 'flop_ratio': figures['flop_ratio'][f]})
+                 'flop_ratio': figures['flop_ratio'][f],
+                 'cpu_seconds_per_step': cpu[f], 'context_switches_per_step': switches[f],
+                 'cpu_profile_percent': profiles.get(f)})
   predicted, predicted_padded, limit = (figures[k] for k in (
       'predicted', 'predicted_padded', 'limit'))
   print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"slots":>5} {"step ms":>8} {"ratio":>6} '
-        f'{"FLOP ratio":>10} {"padded ms":>14}')
+        f'{"FLOP ratio":>10} {"padded ms":>14} {"CPU ms":>7} {"switches":>8}')
   for r in rows:
     pad = (f'{r["padded_step_seconds"] * 1e3:.1f} ({r["padded_slot_width"]})'
            if r['padded_step_seconds'] is not None else '-')
+    cpu_ms = f'{r["cpu_seconds_per_step"] * 1e3:.1f}'
+    switched = ('-' if r['context_switches_per_step'] is None
+                else f'{r["context_switches_per_step"]:.0f}')
     print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
           f'{r["micro_batches"]:3d} {r["slot_width"]:5d} {r["step_seconds"] * 1e3:8.1f} '
-          f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14}')
+          f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14} {cpu_ms:>7} '
+          f'{switched:>8}')
+  if profiles:
+    print('CPU profile (perf record, % of the samples while the plan\'s steps ran):')
+    print(f'{"F":>3} {"K":>3} ' + ' '.join(f'{c:>{len(c)}}' for c in PERF_CATEGORIES))
+    for r in rows:
+      shares = r['cpu_profile_percent']
+      print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} ' + ' '.join(
+          f'{shares[c]:>{len(c)}.1f}' for c in PERF_CATEGORIES))
   print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
         f'({predicted_padded:.3f} with freeze.keep_slot_width; FLOP limit {limit:.3f})')
   out = {'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
@@ -160,6 +215,120 @@ def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[i
           'predicted': sum(step[f] for f in frozen) / baseline,
           'predicted_padded': sum(padded_step.get(f, step[f]) for f in frozen) / baseline,
           'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
+
+
+def _median(values: list) -> float | None:
+  return None if any(v is None for v in values) else float(np.median(values))
+
+
+def process_counters() -> tuple[float, int | None]:
+  """This process's CPU seconds so far (all threads) and its threads'
+  context switches (voluntary and not, from ``/proc/self/task``; None where
+  there is no such count). A thread that ends between two readings takes
+  its switches with it: measure while no thread starts or ends."""
+  switches = 0
+  try:
+    tasks = os.listdir('/proc/self/task')
+  except OSError:
+    return time.process_time(), None
+  for tid in tasks:
+    try:
+      with open(f'/proc/self/task/{tid}/status', encoding='ascii') as f:
+        for line in f:
+          if line.startswith(('voluntary_ctxt_switches:', 'nonvoluntary_ctxt_switches:')):
+            switches += int(line.split()[1])
+    except (OSError, ValueError):  # the thread ended meanwhile
+      continue
+  return time.process_time(), switches
+
+
+#: What :func:`perf_categories` splits the samples into.
+PERF_CATEGORIES = ('kernels', 'OS thread switches', 'OS other', 'memory',
+                   'XLA runtime', 'other')
+#: Seconds each plan's steps run under ``perf record``.
+PERF_SECONDS = 3.0
+# The compiled programs' kernels: XLA's JIT code and the matrix libraries it calls.
+_KERNELS = re.compile(r'ynn::|xnn_|ynn_|gemm|TensorContraction|slinky|dnnl|onednn', re.I)
+_SWITCHING = re.compile(r'task_switch|schedule|futex|wake|spin_unlock|syscall|rseq|switch_to'
+                        r'|finish_task|idle|pick_next|enqueue_task|dequeue_task|try_to_wake')
+_MEMORY = re.compile(r'malloc|free|memmove|memcpy|memset|memalign|unlink_chunk|consolidate'
+                     r'|^operator (new|delete)|madvise|page_fault|mm_fault|clear_page', re.I)
+_REPORT_LINE = re.compile(r'^\s*([\d.]+)%\s+(.+?)\s+\[([k.])\]\s+(.*?)\s*$')
+
+
+class PerfError(RuntimeError):
+  """``perf`` could not record or report this process."""
+
+
+def perf_categories(report: str) -> dict[str, float]:
+  """The shares (% of the samples) of :data:`PERF_CATEGORIES` in the text of
+  ``perf report --stdio --no-children --sort dso,sym``: the compiled
+  program's kernels (XLA's JIT code, and the matrix libraries it calls,
+  their set-up included), the OS kernel
+  switching threads (the scheduler, futexes), the rest of the OS kernel,
+  memory allocation and copies, the rest of XLA's library, and the rest."""
+  shares = dict.fromkeys(PERF_CATEGORIES, 0.0)
+  for line in report.splitlines():
+    m = _REPORT_LINE.match(line)
+    if not m or line.lstrip().startswith('#'):
+      continue
+    percent, dso, mode, symbol = float(m[1]), m[2], m[3], m[4]
+    if mode == 'k':
+      category = 'OS thread switches' if _SWITCHING.search(symbol) else 'OS other'
+    elif dso.startswith('[JIT]') or _KERNELS.search(symbol):
+      category = 'kernels'
+    elif _MEMORY.search(symbol):
+      category = 'memory'
+    elif 'jax' in dso or 'xla' in dso or 'xla::' in symbol:
+      category = 'XLA runtime'
+    else:
+      category = 'other'
+    shares[category] += percent
+  return shares
+
+
+def perf_profile(run, seconds: float, path: str, perf: str = 'perf') -> dict[str, float]:
+  """Calls ``run()`` until ``seconds`` have passed with ``perf record``
+  sampling this process into ``path``; returns :func:`perf_categories` of
+  its report.
+
+  Raises:
+    PerfError: perf failed to attach, record or report (its last line says why).
+  """
+  record = subprocess.Popen([perf, 'record', '-q', '-F', '999', '-p', str(os.getpid()),
+                             '-o', path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+  try:
+    time.sleep(0.5)  # attached before the steps start
+    if record.poll() is not None:
+      raise PerfError(f'perf record failed: {_last_line(record.stderr.read())}')
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+      run()
+  finally:
+    if record.poll() is None:
+      record.send_signal(signal.SIGINT)
+    try:
+      _, err = record.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      record.kill()
+      _, err = record.communicate()
+  if record.returncode not in (0, -signal.SIGINT):
+    raise PerfError(f'perf record failed: {_last_line(err)}')
+  report = subprocess.run([perf, 'report', '-i', path, '--stdio', '--no-children',
+                           '--sort', 'dso,sym'], capture_output=True, text=True, timeout=600,
+                          check=False)
+  if report.returncode:
+    raise PerfError(f'perf report failed: {_last_line(report.stderr)}')
+  shares = perf_categories(report.stdout)
+  if not sum(shares.values()):
+    raise PerfError(f'perf recorded no samples into {path}')
+  return shares
+
+
+def _last_line(text: str) -> str:
+  lines = [line for line in (text or '').strip().splitlines() if line.strip()]
+  return lines[-1].strip() if lines else '(no message)'
 
 
 def _plans(trainer: Trainer, frozen: list[int], keep_slot_width: bool) -> dict:

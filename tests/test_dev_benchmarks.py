@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -87,3 +88,137 @@ def test_bench_plans_figures_from_the_step_times():
   # Twice the baseline's step: every ratio halves.
   assert bench_plans.ratios({0: 2.0, 2: 0.6, 3: 0.5}, {}, [0, 2, 2, 3], blocks=4)[
       'predicted'] == pytest.approx((2.0 + 0.6 + 0.6 + 0.5) / 8)
+
+
+_REPORT = """\
+# Samples: 1K of event 'cpu-clock:ppp'
+#
+# Overhead  Shared Object      Symbol
+# ........  .................  ......
+#
+    30.00%  [kernel.kallsyms]  [k] finish_task_switch.isra.0
+     5.00%  [kernel.kallsyms]  [k] futex_wake
+     2.50%  [kernel.kallsyms]  [k] irqentry_exit_to_user_mode
+    12.00%  [JIT] tid 4242     [.] 0x00007f10aa00beef
+     8.00%  libjax_common.so   [.] ynn::dot_fp32_5x64x1_1x16x1_avx512
+     4.00%  libjax_common.so   [.] Eigen::internal::gemm_pack_colmajor_block<float, long>
+     6.00%  libc.so.6          [.] __memmove_avx512_unaligned_erms
+     3.00%  libc.so.6          [.] _int_malloc
+     9.00%  libjax_common.so   [.] xla::cpu::ThunkExecutor::Execute<Fifo>
+     7.00%  libjax_common.so   [.] absl::Mutex::lock
+     1.50%  libpython3.11.so.1.0  [.] _PyEval_EvalFrameDefault
+     0.50%  [vdso]             [.] __vdso_clock_gettime
+# a comment line: 99.00%  libc.so.6  [.] malloc
+"""
+
+
+def test_perf_categories_split_a_report_by_what_the_cpu_did():
+  shares = bench_plans.perf_categories(_REPORT)
+  assert list(shares) == list(bench_plans.PERF_CATEGORIES)
+  assert shares == pytest.approx({'kernels': 12 + 8 + 4, 'OS thread switches': 30 + 5,
+                                  'OS other': 2.5, 'memory': 6 + 3, 'XLA runtime': 9 + 7,
+                                  'other': 1.5 + 0.5})
+  assert bench_plans.perf_categories('# nothing sampled\n') == dict.fromkeys(
+      bench_plans.PERF_CATEGORIES, 0.0)
+
+
+def test_process_counters_count_every_thread_of_this_process():
+  """Another thread sleeps 100 times (a switch each) while this one waits
+  once: the process's count grows by 100 more than this thread's own."""
+  import threading  # noqa: PLC0415
+
+  def own_switches():
+    with open('/proc/thread-self/status', encoding='ascii') as f:
+      return sum(int(line.split()[1]) for line in f if 'ctxt_switches:' in line)
+
+  done, release = threading.Event(), threading.Event()
+
+  def partner():
+    for _ in range(100):
+      time.sleep(0.001)
+    done.set()
+    release.wait()  # alive at the second reading: its switches still count
+
+  thread = threading.Thread(target=partner)
+  mine, (cpu, switches) = own_switches(), bench_plans.process_counters()
+  thread.start()
+  done.wait()
+  busy = sum(range(3_000_000))  # CPU time of this thread
+  after, mine_after = bench_plans.process_counters(), own_switches()
+  release.set()
+  thread.join()
+  assert busy > 0 and after[0] > cpu
+  assert (after[1] - switches) - (mine_after - mine) >= 100
+
+
+def _fake_perf(tmp_path, record_fails=False, report_fails=False):
+  """A ``perf`` that records its arguments until SIGINT and reports
+  :data:`_REPORT` (or fails, as told)."""
+  script = tmp_path / 'perf'
+  script.write_text(f"""#!/bin/bash
+if [ "$1" = record ]; then
+  for a in "$@"; do if [ "$prev" = -o ]; then out="$a"; fi; prev="$a"; done
+  {'echo "Error: no access to perf events (kernel.perf_event_paranoid=4)" >&2; exit 255' if record_fails else ''}
+  trap 'echo "$@" > "$out"; exit 0' INT
+  while true; do sleep 0.02; done
+fi
+{'echo "failed to open $3: No such file" >&2; exit 1' if report_fails else ''}
+cat <<'REPORT'
+{_REPORT}REPORT
+""")
+  script.chmod(0o755)
+  return str(script)
+
+
+def test_perf_profile_samples_this_process_while_the_steps_run(tmp_path):
+  calls = []
+  path = str(tmp_path / 'perf-F0.data')
+  shares = bench_plans.perf_profile(lambda: calls.append(time.sleep(0.01)), 0.3, path,
+                                    perf=_fake_perf(tmp_path))
+  assert shares == bench_plans.perf_categories(_REPORT)
+  assert 20 <= len(calls) <= 31  # run until 0.3 s had passed, each call 10 ms
+  recorded = open(path).read().split()  # what `perf record` was asked
+  assert recorded[recorded.index('-p') + 1] == str(os.getpid())
+  assert recorded[recorded.index('-o') + 1] == path
+
+
+def test_perf_profile_says_in_one_line_why_perf_failed(tmp_path):
+  calls = []
+  with pytest.raises(bench_plans.PerfError, match=r'^perf record failed: Error: no access '
+                     r'to perf events \(kernel.perf_event_paranoid=4\)$'):
+    bench_plans.perf_profile(lambda: calls.append(1), 0.1, str(tmp_path / 'a.data'),
+                             perf=_fake_perf(tmp_path, record_fails=True))
+  assert not calls  # no step ran unsampled
+  with pytest.raises(bench_plans.PerfError, match=r'^perf report failed: failed to open '):
+    bench_plans.perf_profile(lambda: None, 0.1, str(tmp_path / 'b.data'),
+                             perf=_fake_perf(tmp_path, report_fails=True))
+
+
+def test_bench_plans_perf_needs_perf_before_anything_is_built(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(bench_plans.shutil, 'which', lambda name: None)
+  assert bench_plans.main(['bench_plans', f'--workdir={tmp_path / "w"}', '--perf']) == 2
+  assert capsys.readouterr().err.strip() == (
+      'error: --perf needs Linux perf on the PATH (e.g. the linux-perf package)')
+  assert not os.path.exists(tmp_path / 'w')
+
+
+def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
+  """A 3-epoch schedule (3 plans) with a fake ``perf`` first on the PATH:
+  each row has its CPU time and switches a step, and the fake's profile."""
+  _fake_perf(tmp_path)
+  env = {**os.environ, 'PATH': f'{tmp_path}{os.pathsep}{os.environ["PATH"]}'}
+  workdir = tmp_path / 'w'
+  out = subprocess.run([sys.executable, '-m', 'experiments.bench_plans', f'--workdir={workdir}',
+                        '--perf', '--config.train.epochs=3'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads((workdir / 'bench_plans.json').read_text())
+  rows = result['rows']
+  assert [r['frozen_layers'] for r in rows] == result['frozen_per_epoch'] == [0, 4, 6]
+  for r in rows:
+    # 8 device threads on the machine's cores: more CPU than nothing, and
+    # every step's collectives block and wake threads.
+    assert r['cpu_seconds_per_step'] > 0 and r['context_switches_per_step'] > 8, r
+    assert r['cpu_profile_percent'] == bench_plans.perf_categories(_REPORT)
+    assert (workdir / f'perf-F{r["frozen_layers"]}.data').exists()
+  assert 'CPU profile (perf record' in out.stdout
