@@ -30,7 +30,7 @@ what the CPU was doing: the compiled program's kernels (the arithmetic), the
 OS kernel switching threads (XLA:CPU runs each fake device on a thread of its
 own, and every collective is a rendezvous of those threads), the rest of the
 OS kernel, memory allocation and copies, the rest of XLA's runtime, and the
-rest. ``DIR/perf-F<F>.data`` stay for ``perf report``.
+rest. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with call chains).
 """
 from __future__ import annotations
 
@@ -295,7 +295,7 @@ def perf_profile(run, seconds: float, path: str, perf: str = 'perf') -> dict[str
   Raises:
     PerfError: perf failed to attach, record or report (its last line says why).
   """
-  record = subprocess.Popen([perf, 'record', '-q', '-F', '999', '-p', str(os.getpid()),
+  record = subprocess.Popen([perf, 'record', '-q', '-g', '-F', '999', '-p', str(os.getpid()),
                              '-o', path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
   try:
@@ -315,7 +315,7 @@ def perf_profile(run, seconds: float, path: str, perf: str = 'perf') -> dict[str
       _, err = record.communicate()
   if record.returncode not in (0, -signal.SIGINT):
     raise PerfError(f'perf record failed: {_last_line(err)}')
-  report = subprocess.run([perf, 'report', '-i', path, '--stdio', '--no-children',
+  report = subprocess.run([perf, 'report', '-i', path, '--stdio', '--no-children', '-g', 'none',
                            '--sort', 'dso,sym'], capture_output=True, text=True, timeout=600,
                           check=False)
   if report.returncode:
