@@ -287,6 +287,53 @@ def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypa
   assert len(fetched) == loader.steps_per_epoch()  # every batch served by the cache
 
 
+def test_more_stragglers_than_a_batch_are_computed_a_batch_at_a_time(monkeypatch):
+  """Entries dropped from every batch of the next epoch (each batch keeps
+  some): more stragglers than the prefix's compiled batch of 16. They are
+  computed in calls of 16 rows, the last one padded, and every one is stored
+  as the prefix computes it."""
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(policy='always')
+  trainer, data = _trainer(config, samples=72)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  for epoch in range(2):
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+  cache, loader, model = trainer.prefix.cache, trainer.train_loader, trainer.model
+  batches = loader.batch_ids(2)
+  with cache._lock:  # noqa: SLF001 - 5 entries of every batch gone
+    for ids in batches:
+      for sample_id in ids[cache.depths(ids) >= 0][:5]:
+        cache._drop_if_current(int(sample_id), cache._version[sample_id])  # noqa: SLF001
+  missing = cache.depths(np.concatenate(batches)) < 0
+  lacking = np.unique(np.concatenate(batches)[missing])
+  assert len(lacking) > 16 and len(lacking) % 16  # the last call padded
+  assert all(np.any(cache.depths(ids) >= 0) for ids in batches)
+  assert trainer.prefix.local_batch_size == 16
+  real_fetch, real_forward = type(cache).fetch, FrozenPrefix._forward
+  fetched, forwarded = [], []
+
+  def fetch(self, ids, *args, **kwargs):
+    fetched.append(len(ids))
+    return real_fetch(self, ids, *args, **kwargs)
+
+  def forward(self, plan, frozen, batch):
+    forwarded.append(len(next(iter(batch.values()))))
+    return real_forward(self, plan, frozen, batch)
+
+  monkeypatch.setattr(type(cache), 'fetch', fetch)
+  monkeypatch.setattr(FrozenPrefix, '_forward', forward)
+  assert trainer.prefix.prefetch(batches, trainer.plan, trainer.state['frozen']) == len(lacking)
+  n = len(lacking)
+  assert fetched == [16] * (n // 16) + ([n % 16] if n % 16 else [])
+  assert forwarded == [16] * len(fetched)  # the compiled size, the last call padded
+  expected = model.hidden_states(trainer.canonical_params(),
+                                 {k: data[k][lacking] for k in model.input_keys}, upto_layer=3)
+  np.testing.assert_allclose(real_fetch(cache, lacking, _never_computed), np.asarray(expected),
+                             rtol=1e-5, atol=1e-6)
+
+
 def test_stragglers_the_cache_cannot_store_are_left_to_their_batches(monkeypatch):
   """With budgets below the data set, a straggler the cache would refuse is
   not computed before the epoch (it would be computed again in its batch)."""
