@@ -44,7 +44,9 @@ allows: per sample, a trained block costs 4 units (forward, recomputed
 forward, backward; 3 in ``plain_dp``, which does not recompute), a frozen
 block 1 (its forward), a frozen block served by the cache 0 (the cache's own
 layer passes are counted); the baseline trains all blocks. ``efficiency`` =
-measured speed-up / that limit.
+measured speed-up / that limit. Beside each time: the process's CPU seconds
+(all its threads, from start to exit) and context switches (``getrusage``),
+which show where a run's time is not its arithmetic (``docs/results.md``).
 """
 from __future__ import annotations
 
@@ -52,7 +54,9 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -87,7 +91,7 @@ class Runner:
     self.variants = variants  # those the breakdown runs
     self.results: dict[tuple, dict] = {}
 
-  def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float]:
+  def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float, dict]:
     workdir = os.path.join(self.workdir, 'runs', name)
     env = dict(os.environ)
     if self.compile_cache in ('warm', 'shared'):
@@ -101,11 +105,11 @@ class Runner:
     cmd = [sys.executable, '-m', module, f'--workdir={workdir}', *self.passthrough, *args,
            '--config.checkpoint.enabled=False', f'--config.pipeline.profile_path={profile}']
     start = time.perf_counter()
-    proc = run_child(cmd, env=env)
+    proc, usage = run_measured(cmd, env)
     if proc.returncode:
       tail = (proc.stderr.strip().splitlines() or ['(no output)'])[-1]
       fail(f'error: run {name!r} failed ({" ".join(cmd)}): {tail}')
-    return workdir, time.perf_counter() - start
+    return workdir, time.perf_counter() - start, usage
 
   def run(self, name: str, module: str, args: list[str]) -> dict:
     """The summary and rows of ``module`` with ``args`` (run now or earlier)."""
@@ -119,18 +123,33 @@ class Runner:
       print(f'  {name}: warm-up run (not reported) ...', flush=True)
       self._process(f'warmup-{name}', module, args)
     print(f'  {name} ...', flush=True)
-    workdir, seconds = self._process(name, module, args)
+    workdir, seconds, usage = self._process(name, module, args)
     with open(os.path.join(workdir, 'summary.json')) as f:
       summary = json.load(f)
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
       rows = [json.loads(line) for line in f]
     print(f'  {name}: {summary["total_seconds"]:.1f}s, accuracy '
           f'{summary["final_eval_accuracy"]:.4f}', flush=True)
-    return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': seconds}
+    return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': seconds,
+            'process_cpu_seconds': usage['cpu_seconds'],
+            'process_context_switches': usage['context_switches']}
 
   def variant(self, name: str, extra: list[str] = ()) -> dict:
     module, args = BREAKDOWN[name]
     return self.run(name, module, args + list(extra))
+
+
+def run_measured(cmd: list[str], env: dict | None = None
+                 ) -> tuple[subprocess.CompletedProcess, dict]:
+  """:func:`run_child`, and the CPU seconds and context switches the child
+  used (all its threads, from ``getrusage`` of this process's reaped
+  children; run one child at a time)."""
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  proc = run_child(cmd, env=env)
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return proc, {
+      'cpu_seconds': (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+      'context_switches': (after.ru_nvcsw + after.ru_nivcsw) - (before.ru_nvcsw + before.ru_nivcsw)}
 
 
 # -- figures of merit ---------------------------------------------------------------
@@ -216,6 +235,8 @@ def describe_run(result: dict, reference: dict | None) -> dict:
       'replicas': [r['replicas'] for r in rows],
       'cache': [bool(r.get('cache')) for r in rows],
       'process_seconds': result['process_seconds'],
+      'process_cpu_seconds': result['process_cpu_seconds'],
+      'process_context_switches': result['process_context_switches'],
   }
 
 
@@ -275,7 +296,8 @@ def breakdown(runner: Runner, workdir: str) -> dict:
                 ('final_eval_accuracy', 'accuracy', '.4f'),
                 ('samples_per_second', 'samples/s', '.0f'), ('epochs_seconds', 'epochs s', '.1f'),
                 ('transition_seconds', 'trans s', '.1f'), ('eval_seconds', 'eval s', '.1f'),
-                ('startup_seconds', 'startup s', '.1f')])
+                ('startup_seconds', 'startup s', '.1f'), ('process_cpu_seconds', 'CPU s', '.1f'),
+                ('process_context_switches', 'switches', '.0f')])
   for key, value in targets.items():
     print(f'  target {key}: {value:.2f} (target {"<=" if key == "accuracy_points" else ">="} '
           f'{TARGETS[key]}) {"met" if met[key] else "NOT met"}')

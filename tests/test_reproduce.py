@@ -2,6 +2,8 @@
 tables on synthetic runs, and a real (tiny) invocation end to end."""
 import json
 import os
+import sys
+import textwrap
 import types
 
 import numpy as np
@@ -87,8 +89,10 @@ def test_flop_limit_prices_each_stretch_of_an_epoch_at_its_own_depth():
 
 def test_describe_run_speedups_and_where_time_went():
   base = {'summary': _summary(total=20.0, train=18.0), 'process_seconds': 25.0,
+          'process_cpu_seconds': 40.0, 'process_context_switches': 9000,
           'rows': [_row(0, 0, 10, seconds=8.0), _row(1, 0, 20, seconds=8.0)]}
   run = {'summary': _summary(total=10.0, train=8.0), 'process_seconds': 12.0,
+         'process_cpu_seconds': 17.5, 'process_context_switches': 4000,
          'rows': [_row(0, 0, 10, seconds=4.0), _row(1, 2, 20, seconds=2.0)]}
   r = reproduce.describe_run(run, base)
   assert r['speedup'] == pytest.approx(2.0)
@@ -100,7 +104,35 @@ def test_describe_run_speedups_and_where_time_went():
   assert r['samples_per_second'] == pytest.approx(160 / 10.0)
   assert r['startup_seconds'] == pytest.approx(2.0)
   assert r['transition_seconds'] == pytest.approx(1.0)
+  assert (r['process_cpu_seconds'], r['process_context_switches']) == (17.5, 4000)
   assert reproduce.describe_run(run, None)['speedup'] is None
+
+
+def test_a_run_s_cpu_time_and_switches_are_its_process_s_all_threads():
+  """A child that burns 0.3 s of CPU and sleeps 50 times in a second thread
+  reports its own ``getrusage`` at its end: what the parent measured for it
+  is at least that (the child's exit comes after its report)."""
+  child = textwrap.dedent("""
+      import resource, threading, time
+      def naps():
+        for _ in range(50):
+          time.sleep(0.001)
+      t = threading.Thread(target=naps); t.start()
+      end = time.process_time() + 0.3
+      while time.process_time() < end:
+        pass
+      t.join()
+      u = resource.getrusage(resource.RUSAGE_SELF)
+      print(u.ru_utime + u.ru_stime, u.ru_nvcsw + u.ru_nivcsw)
+      """)
+  proc, usage = reproduce.run_measured([sys.executable, '-c', child])
+  assert proc.returncode == 0, proc.stderr
+  cpu, switches = proc.stdout.split()
+  assert usage['cpu_seconds'] >= float(cpu) >= 0.3
+  assert usage['context_switches'] >= int(switches) >= 50
+  # Only that child: a second one that does nothing measures far less.
+  _, idle = reproduce.run_measured([sys.executable, '-c', 'pass'])
+  assert idle['cpu_seconds'] < float(cpu) and idle['context_switches'] < int(switches)
 
 
 class _FakeRunner(reproduce.Runner):
@@ -129,7 +161,8 @@ class _FakeRunner(reproduce.Runner):
                        transitions=transitions, timings=timings, alpha=alpha, seed=seed,
                        kind='plain_dp' if module == reproduce.PLAIN else 'elastic')
     rows = [_row(0, 0, 10), _row(1, frozen, 20)]
-    return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': total + 3}
+    return {'name': name, 'summary': summary, 'rows': rows, 'process_seconds': total + 3,
+            'process_cpu_seconds': 1.5 * total, 'process_context_switches': 100 * total}
 
 
 def test_the_micro_batch_search_is_charged_to_the_first_transition_to_its_k(tmp_path):
@@ -295,6 +328,9 @@ def test_real_runs_end_to_end(tmp_path):
   assert list(by) == ['baseline', 'full']
   for r in by.values():
     assert r['total_seconds'] > 0 and 0 <= r['final_eval_accuracy'] <= 1
+    # The whole process, start-up included; 8 device threads switch at every collective.
+    assert r['process_cpu_seconds'] > r['total_seconds'] / 4, r
+    assert r['process_context_switches'] > 1000, r
   assert by['baseline']['frozen_layers'] == [0, 0] and by['baseline']['speedup'] == 1.0
   assert by['full']['frozen_layers'][-1] > 0 and by['full']['flop_limit_speedup'] > 1
   assert by['baseline']['flop_limit_speedup'] == 1.0
