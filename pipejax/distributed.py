@@ -32,7 +32,10 @@ import re
 import signal
 import subprocess
 import sys
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:  # annotations only: functions import numpy and JAX where they use them
+  import numpy as np
 
 SUPERVISED_ENV = 'PIPEJAX_SUPERVISED'  # set in the child that trains
 # What the C++ runtime logs when a peer (or the coordinator) is gone.
@@ -190,7 +193,7 @@ def put_batch(tree, sharding):
           sharding, np.asarray(x), (np.shape(x)[0] * count,) + np.shape(x)[1:]), tree)
 
 
-def gather_exact(values) -> "np.ndarray":
+def gather_exact(values) -> np.ndarray:
   """Every process's ``values [n]`` (float64), stacked in process order as
   ``[processes, n]``, bit for bit; one process: ``values[None]``.
 
