@@ -23,14 +23,17 @@ timed both ways in the same interleaved rounds (column ``padded ms``).
 
 Beside each step's wall time, per step: the CPU time the process used (all
 its threads) and its threads' context switches (counted by Linux in
-``/proc``), of the same passes as the step time. With ``--perf`` each plan's
+``/proc``), both of the fastest pass of each round and the median over the
+rounds, as the step time. With ``--perf`` each plan's
 steps also run for a few seconds under ``perf record`` (Linux ``perf``,
 allowed to attach to the process), and a second table splits the samples by
 what the CPU was doing: the compiled program's kernels (the arithmetic), the
-OS kernel switching threads (XLA:CPU runs each fake device on a thread of its
-own, and every collective is a rendezvous of those threads), the rest of the
-OS kernel, memory allocation and copies, the rest of XLA's runtime, and the
-rest. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with call chains).
+OS kernel's scheduler, futex and system-call paths (XLA:CPU runs each fake
+device on a thread of its own, and every collective is a rendezvous of those
+threads), the rest of the OS kernel, memory allocation and copies, the rest
+of XLA's runtime, and the rest. A perf that may sample user space only
+(``kernel.perf_event_paranoid`` above 1) reads 0 in the OS columns, with a
+warning; a perf that fails leaves the step times written, and exits 2. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with call chains).
 """
 from __future__ import annotations
 
@@ -149,12 +152,8 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
   padded_step = {f: float(np.median(seconds[f, True])) for f in padded}
   cpu, switches = ({f: _median([u[i] for u in usage[f, False]]) for f in plans}
                    for i in (0, 1))
-  profiles = {}
-  if perf:
-    for f in plans:  # one plan at a time: perf's samples are the plan's
-      path = os.path.join(workdir, f'perf-F{f}.data')
-      print(f'perf record: F={f} ...', flush=True)
-      profiles[f] = perf_profile(lambda f=f: run_steps(f, False), PERF_SECONDS, path)
+  profiles, perf_error = (profile_plans(list(plans), lambda f: run_steps(f, False), workdir)
+                          if perf else ({}, None))
   figures = ratios(step, padded_step, frozen, model.num_layers)
   rows = []
   for f, plan in plans.items():
@@ -197,6 +196,9 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
   diskcache.write_atomic(os.path.join(workdir, 'bench_plans.json'),
                          lambda f: json.dump(out, f, indent=2))
   print(f'wrote {workdir}/bench_plans.json')
+  if perf_error:
+    print(f'error: {perf_error} (the step times are written; no CPU profile)', file=sys.stderr)
+    return 2
   return 0
 
 
@@ -243,7 +245,7 @@ def process_counters() -> tuple[float, int | None]:
 
 
 #: What :func:`perf_categories` splits the samples into.
-PERF_CATEGORIES = ('kernels', 'OS thread switches', 'OS other', 'memory',
+PERF_CATEGORIES = ('kernels', 'OS scheduling', 'OS other', 'memory',
                    'XLA runtime', 'other')
 #: Seconds each plan's steps run under ``perf record``.
 PERF_SECONDS = 3.0
@@ -264,8 +266,8 @@ def perf_categories(report: str) -> dict[str, float]:
   """The shares (% of the samples) of :data:`PERF_CATEGORIES` in the text of
   ``perf report --stdio --no-children --sort dso,sym``: the compiled
   program's kernels (XLA's JIT code, and the matrix libraries it calls,
-  their set-up included), the OS kernel
-  switching threads (the scheduler, futexes), the rest of the OS kernel,
+  their set-up included), the OS kernel's scheduler, futex and system-call
+  paths (where threads wait and are switched), the rest of the OS kernel,
   memory allocation and copies, the rest of XLA's library, and the rest."""
   shares = dict.fromkeys(PERF_CATEGORIES, 0.0)
   for line in report.splitlines():
@@ -274,7 +276,7 @@ def perf_categories(report: str) -> dict[str, float]:
       continue
     percent, dso, mode, symbol = float(m[1]), m[2], m[3], m[4]
     if mode == 'k':
-      category = 'OS thread switches' if _SWITCHING.search(symbol) else 'OS other'
+      category = 'OS scheduling' if _SWITCHING.search(symbol) else 'OS other'
     elif dso.startswith('[JIT]') or _KERNELS.search(symbol):
       category = 'kernels'
     elif _MEMORY.search(symbol):
@@ -315,15 +317,39 @@ def perf_profile(run, seconds: float, path: str, perf: str = 'perf') -> dict[str
       _, err = record.communicate()
   if record.returncode not in (0, -signal.SIGINT):
     raise PerfError(f'perf record failed: {_last_line(err)}')
-  report = subprocess.run([perf, 'report', '-i', path, '--stdio', '--no-children', '-g', 'none',
-                           '--sort', 'dso,sym'], capture_output=True, text=True, timeout=600,
-                          check=False)
+  try:
+    report = subprocess.run([perf, 'report', '-i', path, '--stdio', '--no-children', '-g',
+                             'none', '--sort', 'dso,sym'], capture_output=True, text=True,
+                            timeout=600, check=False)
+  except subprocess.TimeoutExpired as e:
+    raise PerfError(f'perf report of {path} took over {e.timeout:.0f}s') from None
   if report.returncode:
     raise PerfError(f'perf report failed: {_last_line(report.stderr)}')
   shares = perf_categories(report.stdout)
   if not sum(shares.values()):
     raise PerfError(f'perf recorded no samples into {path}')
   return shares
+
+
+def profile_plans(depths: list[int], run_steps, workdir: str, perf: str = 'perf',
+                  seconds: float = PERF_SECONDS) -> tuple[dict[int, dict], str | None]:
+  """:func:`perf_profile` of ``run_steps(f)`` for each depth ``f``, one after
+  another (perf's samples are that plan's), into ``workdir/perf-F<f>.data``.
+  Returns the profiles and None, or ``({}, why)`` when perf failed (the
+  caller still writes its timings). Warns when no sample is of the OS kernel
+  (a perf allowed user space only reads 0 there)."""
+  profiles = {}
+  try:
+    for f in depths:
+      print(f'perf record: F={f} ...', flush=True)
+      profiles[f] = perf_profile(lambda f=f: run_steps(f), seconds,
+                                 os.path.join(workdir, f'perf-F{f}.data'), perf)
+  except PerfError as e:
+    return {}, str(e)
+  if not any(p['OS scheduling'] + p['OS other'] for p in profiles.values()):
+    print('warning: perf sampled no OS kernel code (kernel.perf_event_paranoid above 1 allows '
+          'user space only): the OS columns read 0', file=sys.stderr)
+  return profiles, None
 
 
 def _last_line(text: str) -> str:

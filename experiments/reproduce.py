@@ -142,8 +142,9 @@ class Runner:
 def run_measured(cmd: list[str], env: dict | None = None
                  ) -> tuple[subprocess.CompletedProcess, dict]:
   """:func:`run_child`, and the CPU seconds and context switches the child
-  used (all its threads, from ``getrusage`` of this process's reaped
-  children; run one child at a time)."""
+  used: all its threads, and any process of its own that it waited for
+  (``getrusage`` of this process's reaped children, so run one child at a
+  time)."""
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
   proc = run_child(cmd, env=env)
   after = resource.getrusage(resource.RUSAGE_CHILDREN)

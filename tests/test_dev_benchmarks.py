@@ -115,7 +115,7 @@ _REPORT = """\
 def test_perf_categories_split_a_report_by_what_the_cpu_did():
   shares = bench_plans.perf_categories(_REPORT)
   assert list(shares) == list(bench_plans.PERF_CATEGORIES)
-  assert shares == pytest.approx({'kernels': 12 + 8 + 4, 'OS thread switches': 30 + 5,
+  assert shares == pytest.approx({'kernels': 12 + 8 + 4, 'OS scheduling': 30 + 5,
                                   'OS other': 2.5, 'memory': 6 + 3, 'XLA runtime': 9 + 7,
                                   'other': 1.5 + 0.5})
   assert bench_plans.perf_categories('# nothing sampled\n') == dict.fromkeys(
@@ -151,20 +151,27 @@ def test_process_counters_count_every_thread_of_this_process():
   assert (after[1] - switches) - (mine_after - mine) >= 100
 
 
-def _fake_perf(tmp_path, record_fails=False, report_fails=False):
+def _fake_perf(tmp_path, record_fails=False, report_fails=False, fail_from=0, report=_REPORT):
   """A ``perf`` that records its arguments until SIGINT and reports
-  :data:`_REPORT` (or fails, as told)."""
+  ``report``, or fails as told (``fail_from``: its records from that one on,
+  counting from 1)."""
   script = tmp_path / 'perf'
+  count = tmp_path / 'perf-records'
+  fails = 'true' if record_fails else (
+      f'[ {fail_from} -gt 0 ] && [ "$(wc -l < {count})" -ge {fail_from} ]')
   script.write_text(f"""#!/bin/bash
 if [ "$1" = record ]; then
+  echo >> {count}
   for a in "$@"; do if [ "$prev" = -o ]; then out="$a"; fi; prev="$a"; done
-  {'echo "Error: no access to perf events (kernel.perf_event_paranoid=4)" >&2; exit 255' if record_fails else ''}
+  if {fails}; then
+    echo "Error: no access to perf events (kernel.perf_event_paranoid=4)" >&2; exit 255
+  fi
   trap 'echo "$@" > "$out"; exit 0' INT
   while true; do sleep 0.02; done
 fi
 {'echo "failed to open $3: No such file" >&2; exit 1' if report_fails else ''}
 cat <<'REPORT'
-{_REPORT}REPORT
+{report}REPORT
 """)
   script.chmod(0o755)
   return str(script)
@@ -176,7 +183,7 @@ def test_perf_profile_samples_this_process_while_the_steps_run(tmp_path):
   shares = bench_plans.perf_profile(lambda: calls.append(time.sleep(0.01)), 0.3, path,
                                     perf=_fake_perf(tmp_path))
   assert shares == bench_plans.perf_categories(_REPORT)
-  assert 20 <= len(calls) <= 31  # run until 0.3 s had passed, each call 10 ms
+  assert 1 <= len(calls) <= 31  # run until 0.3 s had passed, each call 10 ms or more
   recorded = open(path).read().split()  # what `perf record` was asked
   assert recorded[recorded.index('-p') + 1] == str(os.getpid())
   assert recorded[recorded.index('-o') + 1] == path
@@ -192,6 +199,34 @@ def test_perf_profile_says_in_one_line_why_perf_failed(tmp_path):
   with pytest.raises(bench_plans.PerfError, match=r'^perf report failed: failed to open '):
     bench_plans.perf_profile(lambda: None, 0.1, str(tmp_path / 'b.data'),
                              perf=_fake_perf(tmp_path, report_fails=True))
+
+
+def test_each_plan_is_profiled_alone_and_a_perf_failure_keeps_no_part(tmp_path, capsys):
+  ran = []
+  profiles, error = bench_plans.profile_plans([0, 4], ran.append, str(tmp_path),
+                                              perf=_fake_perf(tmp_path), seconds=0.05)
+  assert error is None and list(profiles) == [0, 4] and set(ran) == {0, 4}
+  assert ran == sorted(ran)  # depth 0's steps all ran before depth 4's
+  assert profiles[4] == bench_plans.perf_categories(_REPORT)
+  assert os.path.exists(tmp_path / 'perf-F4.data') and 'warning' not in capsys.readouterr().err
+  # The second record fails: no profile is half-reported.
+  (tmp_path / 'perf-records').unlink()
+  profiles, error = bench_plans.profile_plans([0, 4, 6], ran.append, str(tmp_path),
+                                              perf=_fake_perf(tmp_path, fail_from=2),
+                                              seconds=0.05)
+  assert profiles == {} and error.startswith('perf record failed: Error: no access')
+
+
+def test_a_profile_without_os_samples_is_flagged(tmp_path, capsys):
+  user_only = ''.join(line + '\n' for line in _REPORT.splitlines() if '[k]' not in line)
+  profiles, error = bench_plans.profile_plans(
+      [0], lambda f: None, str(tmp_path), perf=_fake_perf(tmp_path, report=user_only),
+      seconds=0.05)
+  assert error is None and profiles[0]['OS scheduling'] == profiles[0]['OS other'] == 0
+  assert profiles[0]['kernels'] == 24
+  assert capsys.readouterr().err.strip() == (
+      'warning: perf sampled no OS kernel code (kernel.perf_event_paranoid above 1 allows '
+      'user space only): the OS columns read 0')
 
 
 def test_bench_plans_perf_needs_perf_before_anything_is_built(tmp_path, monkeypatch, capsys):
