@@ -21,19 +21,20 @@ A plan that keeps the previous plan's K runs at its own, narrower slot width
 pads it to the width of the previous plan's step instead. Each such plan is
 timed both ways in the same interleaved rounds (column ``padded ms``).
 
-Beside each step's wall time, per step: the CPU time the process used (all
-its threads) and its threads' context switches (counted by Linux in
-``/proc``), both of the fastest pass of each round and the median over the
-rounds, as the step time. With ``--perf`` each plan's
-steps also run for a few seconds under ``perf record`` (Linux ``perf``,
-allowed to attach to the process), and a second table splits the samples by
-what the CPU was doing: the compiled program's kernels (the arithmetic), the
-OS kernel's scheduler, futex and system-call paths (XLA:CPU runs each fake
-device on a thread of its own, and every collective is a rendezvous of those
-threads), the rest of the OS kernel, memory allocation and copies, the rest
-of XLA's runtime, and the rest. A perf that may sample user space only
-(``kernel.perf_event_paranoid`` above 1) reads 0 in the OS columns, with a
-warning; a perf that fails leaves the step times written, and exits 2. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with call chains).
+Beside each step's wall time, per step: the CPU time the process used (all its
+threads) and its threads' context switches (counted by Linux in ``/proc``),
+both of the fastest pass of each round and the median over the rounds, as the
+step time. With ``--perf`` each plan's steps also run for a few seconds under
+``perf record`` (Linux ``perf``, allowed to attach to the process), and a
+second table splits the samples by what the CPU was doing: the compiled
+program's kernels (the arithmetic), the OS kernel's scheduler, futex and
+system-call paths (XLA:CPU runs each fake device on a thread of its own, and
+every collective is a rendezvous of those threads), the rest of the OS kernel,
+memory allocation and copies, the rest of XLA's runtime, and the rest. A perf
+that may sample user space only (``kernel.perf_event_paranoid`` above 1) reads
+0 in the OS columns, with a warning; a perf that fails leaves the step times
+written, and exits 2. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with
+call chains).
 """
 from __future__ import annotations
 
