@@ -1,6 +1,6 @@
 """Train-step time of every plan an elastic run goes through, against the
 baseline's, side by side in one process: ``python -m experiments.bench_plans
---workdir DIR [--config.KEY=VALUE ...]``.
+--workdir DIR [--perf] [--config.KEY=VALUE ...]``.
 
 The plans are those of the main job's config (``experiments.vit_imagenet``,
 embedded default unless overridden): the frozen counts that the α bound of the
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   # The main job's own config file and flags: the same keys, types and checks.
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
+  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True,
+                                      extra_flags=[PERF_FLAG])
   if parsed is None:
     return 2
   config, workdir = parsed
@@ -248,6 +249,8 @@ def process_counters() -> tuple[float, int | None]:
 #: What :func:`perf_categories` splits the samples into.
 PERF_CATEGORIES = ('kernels', 'OS scheduling', 'OS other', 'memory',
                    'XLA runtime', 'other')
+#: ``--perf`` in ``--help``.
+PERF_FLAG = ('--perf', "also profile each plan's steps with Linux perf (where the CPU time goes)")
 #: Seconds each plan's steps run under ``perf record``.
 PERF_SECONDS = 3.0
 # The compiled programs' kernels: XLA's JIT code and the matrix libraries it calls.

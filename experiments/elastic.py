@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -789,15 +789,18 @@ def _flat_config(config, prefix: str = 'config') -> list[tuple[str, object]]:
   return out
 
 
-def usage(config, config_file: str, require_workdir: bool = False) -> str:
+def usage(config, config_file: str, require_workdir: bool = False,
+          extra_flags: Sequence[tuple[str, str]] = ()) -> str:
   """``--help``: the command's description (its module's docstring), its
-  flags and every config key with the value this command line gives it."""
+  flags (``extra_flags``: a command's own, ``(flag, what it does)``) and
+  every config key with the value this command line gives it."""
   main_module = sys.modules.get('__main__')
   spec = getattr(main_module, '__spec__', None)
   command = (f'python -m {spec.name}' if spec is not None and spec.name
              else f'python {sys.argv[0]}')
   workdir = '--workdir=DIR' if require_workdir else '[--workdir=DIR]'
-  lines = [f'usage: {command} {workdir} [--config=FILE] [--config.KEY=VALUE ...]']
+  own = ''.join(f' [{flag}]' for flag, _ in extra_flags)
+  lines = [f'usage: {command} {workdir}{own} [--config=FILE] [--config.KEY=VALUE ...]']
   doc = (getattr(main_module, '__doc__', None) or '').strip()
   if doc:
     lines += ['', doc]
@@ -806,6 +809,7 @@ def usage(config, config_file: str, require_workdir: bool = False) -> str:
                 '' if require_workdir else ' (default: a fresh folder under ./runs/)'),
             f'  --config=FILE   a config file with get_config() (default: '
             f'{os.path.relpath(config_file)})',
+            *(f'  {flag:<15} {what}' for flag, what in extra_flags),
             '', 'config keys (--config.KEY=VALUE) and their values on this command line:']
   lines += [f'  --{name}={value!r}' if isinstance(value, str) else f'  --{name}={value}'
             for name, value in _flat_config(config)]
@@ -874,11 +878,13 @@ def _command_line_error(error: Exception, argv: list[str], config_file: str) -> 
           f'wrong type; --help lists the keys)')
 
 
-def parse_command_line(config_file: str, argv=None, require_workdir: bool = False):
+def parse_command_line(config_file: str, argv=None, require_workdir: bool = False,
+                       extra_flags: Sequence[tuple[str, str]] = ()):
   """``--config`` (``config_file`` by default, with overrides) and
   ``--workdir`` (``require_workdir``: it must be given, as the benchmarks
   need); returns ``(config, workdir)``, or None after printing a one-line
-  error. ``--help`` prints :func:`usage` and exits 0."""
+  error. ``--help`` prints :func:`usage` (with ``extra_flags``, the flags the
+  caller takes out of ``argv`` itself) and exits 0."""
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
   argv = list(sys.argv if argv is None else argv)
@@ -900,7 +906,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
   if wants_help:
-    print(usage(flags.FLAGS.config, config_file, require_workdir), flush=True)
+    print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
     raise SystemExit(0)
   if len(rest) > 1:
     print(f'error: unexpected arguments {rest[1:]}', file=sys.stderr)

@@ -257,3 +257,11 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
     assert r['cpu_profile_percent'] == bench_plans.perf_categories(_REPORT)
     assert (workdir / f'perf-F{r["frozen_layers"]}.data').exists()
   assert 'CPU profile (perf record' in out.stdout
+
+
+def test_bench_plans_help_names_perf():
+  out = _run('bench_plans', '--help')
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.startswith('usage: python -m experiments.bench_plans --workdir=DIR [--perf] '
+                               '[--config=FILE]')
+  assert f'  {"--perf":<15} {bench_plans.PERF_FLAG[1]}' in out.stdout.splitlines()
