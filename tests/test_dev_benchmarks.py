@@ -239,7 +239,8 @@ def test_bench_plans_perf_needs_perf_before_anything_is_built(tmp_path, monkeypa
 
 def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
   """A 3-epoch schedule (3 plans) with a fake ``perf`` first on the PATH:
-  each row has its CPU time and switches a step, and the fake's profile."""
+  each row has its CPU time and switches a step, and the fake's profile;
+  then with a ``perf`` that fails."""
   _fake_perf(tmp_path)
   env = {**os.environ, 'PATH': f'{tmp_path}{os.pathsep}{os.environ["PATH"]}'}
   workdir = tmp_path / 'w'
@@ -257,6 +258,22 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
     assert r['cpu_profile_percent'] == bench_plans.perf_categories(_REPORT)
     assert (workdir / f'perf-F{r["frozen_layers"]}.data').exists()
   assert 'CPU profile (perf record' in out.stdout
+  # perf failing at the third plan: the step times are still written, no
+  # profile is, and the run ends with one line and exit 2.
+  (tmp_path / 'perf-records').unlink()
+  _fake_perf(tmp_path, fail_from=3)
+  again = tmp_path / 'again'
+  out = subprocess.run([sys.executable, '-m', 'experiments.bench_plans', f'--workdir={again}',
+                        '--perf', '--config.train.epochs=3'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      'error: perf record failed: Error: no access to perf events '
+      '(kernel.perf_event_paranoid=4) (the step times are written; no CPU profile)')
+  rows = json.loads((again / 'bench_plans.json').read_text())['rows']
+  assert [r['frozen_layers'] for r in rows] == [0, 4, 6]
+  assert all(r['cpu_profile_percent'] is None and r['step_seconds'] > 0 for r in rows)
+  assert 'CPU profile (perf record' not in out.stdout
 
 
 def test_bench_plans_help_names_perf():
