@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -74,6 +75,14 @@ def start_error(workdir: str, repeats: int, passthrough: list[str],
   if freezes_nothing(passthrough):
     return f'error: --config.freeze.policy=none {without_freezing}; leave it out'
   return claim_workdir(workdir)
+
+
+def cpu_and_switches(who: int = resource.RUSAGE_SELF) -> tuple[float, int]:
+  """CPU seconds and context switches (voluntary and not) so far, from
+  ``getrusage``: of this process, all its threads, ended ones included
+  (``RUSAGE_SELF``), or of its reaped children (``RUSAGE_CHILDREN``)."""
+  u = resource.getrusage(who)
+  return u.ru_utime + u.ru_stime, u.ru_nvcsw + u.ru_nivcsw
 
 
 def run_child(cmd: list[str], capture: bool = True, env: dict | None = None

@@ -22,14 +22,14 @@ pads it to the width of the previous plan's step instead. Each such plan is
 timed both ways in the same interleaved rounds (column ``padded ms``).
 
 Beside each step's wall time, per step: the CPU time the process used (all its
-threads) and its threads' context switches (counted by Linux in ``/proc``),
-both of the fastest pass of each round and the median over the rounds, as the
-step time. With ``--perf`` each plan's steps also run for a few seconds under
-``perf record`` (Linux ``perf``, allowed to attach to the process), and a
-second table splits the samples by what the CPU was doing: the compiled
-program's kernels (the arithmetic), the OS kernel's scheduler, futex and
-system-call paths (XLA:CPU runs each fake device on a thread of its own, and
-every collective is a rendezvous of those threads), the rest of the OS kernel,
+threads) and its threads' context switches (``getrusage``), both of the
+fastest pass of each round and the median over the rounds, as the step time.
+With ``--perf`` each plan's steps also run for a few seconds under ``perf
+record`` (Linux ``perf``, allowed to attach to the process), and a second
+table splits the samples by what the CPU was doing: the compiled program's
+kernels (the arithmetic), the OS kernel's scheduler, futex and system-call
+paths (XLA:CPU runs each fake device on a thread of its own, and every
+collective is a rendezvous of those threads), the rest of the OS kernel,
 memory allocation and copies, the rest of XLA's runtime, and the rest. A perf
 that may sample user space only (``kernel.perf_event_paranoid`` above 1) reads
 0 in the OS columns, with a warning; a perf that fails leaves the step times
@@ -56,6 +56,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import elastic, vit_imagenet  # noqa: E402
+from experiments.bench_cache import cpu_and_switches  # noqa: E402
 from pipejax import diskcache, freeze  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
@@ -137,12 +138,11 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
     switches of the best pass."""
     best, best_usage = float('inf'), None
     for _ in range(rounds):
-      before, start = process_counters(), time.perf_counter()
+      before, start = cpu_and_switches(), time.perf_counter()
       run_steps(f, pad)
-      wall, after = time.perf_counter() - start, process_counters()
+      wall, after = time.perf_counter() - start, cpu_and_switches()
       if wall < best:
-        best, best_usage = wall, tuple(None if b is None or a is None else (a - b) / len(batches)
-                                       for a, b in zip(after, before))
+        best, best_usage = wall, tuple((a - b) / len(batches) for a, b in zip(after, before))
     usage[f, pad].append(best_usage)
     return best / len(batches)
 
@@ -152,7 +152,7 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
       seconds[v].append(time_plan(0, False) if v == (0, False) else time_plan(*v))
   step = {f: float(np.median(seconds[f, False])) for f in plans}
   padded_step = {f: float(np.median(seconds[f, True])) for f in padded}
-  cpu, switches = ({f: _median([u[i] for u in usage[f, False]]) for f in plans}
+  cpu, switches = ({f: float(np.median([u[i] for u in usage[f, False]])) for f in plans}
                    for i in (0, 1))
   profiles, perf_error = (profile_plans(list(plans), lambda f: run_steps(f, False), workdir)
                           if perf else ({}, None))
@@ -177,8 +177,7 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
     pad = (f'{r["padded_step_seconds"] * 1e3:.1f} ({r["padded_slot_width"]})'
            if r['padded_step_seconds'] is not None else '-')
     cpu_ms = f'{r["cpu_seconds_per_step"] * 1e3:.1f}'
-    switched = ('-' if r['context_switches_per_step'] is None
-                else f'{r["context_switches_per_step"]:.0f}')
+    switched = f'{r["context_switches_per_step"]:.0f}'
     print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
           f'{r["micro_batches"]:3d} {r["slot_width"]:5d} {r["step_seconds"] * 1e3:8.1f} '
           f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14} {cpu_ms:>7} '
@@ -219,31 +218,6 @@ def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[i
           'predicted': sum(step[f] for f in frozen) / baseline,
           'predicted_padded': sum(padded_step.get(f, step[f]) for f in frozen) / baseline,
           'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
-
-
-def _median(values: list) -> float | None:
-  return None if any(v is None for v in values) else float(np.median(values))
-
-
-def process_counters() -> tuple[float, int | None]:
-  """This process's CPU seconds so far (all threads) and its threads'
-  context switches (voluntary and not, from ``/proc/self/task``; None where
-  there is no such count). A thread that ends between two readings takes
-  its switches with it: measure while no thread starts or ends."""
-  switches = 0
-  try:
-    tasks = os.listdir('/proc/self/task')
-  except OSError:
-    return time.process_time(), None
-  for tid in tasks:
-    try:
-      with open(f'/proc/self/task/{tid}/status', encoding='ascii') as f:
-        for line in f:
-          if line.startswith(('voluntary_ctxt_switches:', 'nonvoluntary_ctxt_switches:')):
-            switches += int(line.split()[1])
-    except (OSError, ValueError):  # the thread ended meanwhile
-      continue
-  return time.process_time(), switches
 
 
 #: What :func:`perf_categories` splits the samples into.

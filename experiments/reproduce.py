@@ -60,8 +60,8 @@ import subprocess
 import sys
 import time
 
-from experiments.bench_cache import (claim_workdir, fail, freezes_nothing, run_child,
-                                     stop_children_on_sigterm)
+from experiments.bench_cache import (claim_workdir, cpu_and_switches, fail, freezes_nothing,
+                                     run_child, stop_children_on_sigterm)
 
 PARTS = ('breakdown', 'alpha', 'microbatches', 'transitions', 'table1')
 MAIN, PLAIN = 'experiments.vit_imagenet', 'experiments.plain_dp'
@@ -145,12 +145,10 @@ def run_measured(cmd: list[str], env: dict | None = None
   used: all its threads, and any process of its own that it waited for
   (``getrusage`` of this process's reaped children, so run one child at a
   time)."""
-  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  cpu, switches = cpu_and_switches(resource.RUSAGE_CHILDREN)
   proc = run_child(cmd, env=env)
-  after = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return proc, {
-      'cpu_seconds': (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-      'context_switches': (after.ru_nvcsw + after.ru_nivcsw) - (before.ru_nvcsw + before.ru_nivcsw)}
+  cpu_after, switches_after = cpu_and_switches(resource.RUSAGE_CHILDREN)
+  return proc, {'cpu_seconds': cpu_after - cpu, 'context_switches': switches_after - switches}
 
 
 # -- figures of merit ---------------------------------------------------------------

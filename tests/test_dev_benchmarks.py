@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from experiments import bench_plans
+from experiments import bench_cache, bench_plans
 from pipejax import schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,7 +122,7 @@ def test_perf_categories_split_a_report_by_what_the_cpu_did():
       bench_plans.PERF_CATEGORIES, 0.0)
 
 
-def test_process_counters_count_every_thread_of_this_process():
+def test_cpu_and_switches_count_every_thread_of_this_process():
   """Another thread sleeps 100 times (a switch each) while this one waits
   once: the process's count grows by 100 more than this thread's own."""
   import threading  # noqa: PLC0415
@@ -140,11 +140,11 @@ def test_process_counters_count_every_thread_of_this_process():
     release.wait()  # alive at the second reading: its switches still count
 
   thread = threading.Thread(target=partner)
-  mine, (cpu, switches) = own_switches(), bench_plans.process_counters()
+  mine, (cpu, switches) = own_switches(), bench_cache.cpu_and_switches()
   thread.start()
   done.wait()
   busy = sum(range(3_000_000))  # CPU time of this thread
-  after, mine_after = bench_plans.process_counters(), own_switches()
+  after, mine_after = bench_cache.cpu_and_switches(), own_switches()
   release.set()
   thread.join()
   assert busy > 0 and after[0] > cpu
