@@ -16,9 +16,9 @@ from pipejax import schedule
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(module, *args):
+def _run(module, *args, env=None):
   return subprocess.run([sys.executable, '-m', f'experiments.{module}', *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=600)
+                        env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_bench_autocache_serves_every_read_from_the_cache(tmp_path):
@@ -244,9 +244,8 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
   _fake_perf(tmp_path)
   env = {**os.environ, 'PATH': f'{tmp_path}{os.pathsep}{os.environ["PATH"]}'}
   workdir = tmp_path / 'w'
-  out = subprocess.run([sys.executable, '-m', 'experiments.bench_plans', f'--workdir={workdir}',
-                        '--perf', '--config.train.epochs=3'], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+  out = _run('bench_plans', f'--workdir={workdir}', '--perf', '--config.train.epochs=3',
+             env=env)
   assert out.returncode == 0, out.stderr[-2000:]
   result = json.loads((workdir / 'bench_plans.json').read_text())
   rows = result['rows']
@@ -263,9 +262,7 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
   (tmp_path / 'perf-records').unlink()
   _fake_perf(tmp_path, fail_from=3)
   again = tmp_path / 'again'
-  out = subprocess.run([sys.executable, '-m', 'experiments.bench_plans', f'--workdir={again}',
-                        '--perf', '--config.train.epochs=3'], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+  out = _run('bench_plans', f'--workdir={again}', '--perf', '--config.train.epochs=3', env=env)
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.strip().splitlines()[-1] == (
       'error: perf record failed: Error: no access to perf events '
