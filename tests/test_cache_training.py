@@ -234,20 +234,42 @@ def _never_computed(rows):
   raise AssertionError(f'{len(rows)} entries were computed, not read from the cache')
 
 
+def _cached_at_depth_3():
+  """72 samples in batches of 16, the cache always on: after two epochs and
+  their freeze events (F = 2 after epoch 0, the cache on and empty; F = 3
+  after epoch 1), the cache holds epoch 1's samples at depth 3. Returns the
+  trainer and the data."""
+  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(policy='always')
+  trainer, data = _trainer(config, samples=72)
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  for epoch in range(2):
+    trainer.train_epoch(epoch, _Bar())
+    trainer.maybe_transition(epoch, sample)
+  return trainer, data
+
+
+_REAL_FETCH = ActivationCache.fetch  # the tests below spy on it
+
+
+def _check_read_as_computed(trainer, data, ids):
+  """The cache's entries for ``ids``, read (never computed), equal a fresh
+  forward through the 3 frozen blocks."""
+  model = trainer.model
+  expected = model.hidden_states(trainer.canonical_params(),
+                                 {k: data[k][ids] for k in model.input_keys}, upto_layer=3)
+  np.testing.assert_allclose(_REAL_FETCH(trainer.prefix.cache, ids, _never_computed),
+                             np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
 def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypatch):
   """72 samples in batches of 16: every epoch drops 8, so the epoch after the
   cache was filled meets samples it lacks, scattered over batches of hits.
   They are computed before that epoch, together (one call per batch of them),
   not one blocking prefix per batch in the step stream; their entries are the
   prefix's output, each sample passed the frozen blocks once."""
-  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
-  with config.unlocked():
-    config.cache.update(policy='always')
-  trainer, data = _trainer(config, samples=72)
-  sample = next(iter(trainer.train_loader.epoch(0)))[1]
-  for epoch in range(2):  # F = 2 after epoch 0 (cache on, empty), 3 after epoch 1
-    trainer.train_epoch(epoch, _Bar())
-    trainer.maybe_transition(epoch, sample)
+  trainer, data = _cached_at_depth_3()
   cache, loader = trainer.prefix.cache, trainer.train_loader
   assert cache.depth == 3 and trainer.prefix.use_cache
   batches = loader.batch_ids(2)
@@ -255,29 +277,21 @@ def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypa
   assert 0 < len(lacking) <= 8 and np.all(cache.depths(lacking) == -1)
   # The entries filled at F = 2 went to F = 3 in one call of 80 rows (72 samples
   # round up to 5 whole batches of 16) whose padding rows were dropped.
-  assert trainer.prefix.advance_size(config.train.batch_size) == 80
-  real_fetch, model = type(cache).fetch, trainer.model
-
-  def check_read_as_computed(ids):  # entries read (never computed) = a fresh forward
-    expected = model.hidden_states(trainer.canonical_params(),
-                                   {k: data[k][ids] for k in model.input_keys}, upto_layer=3)
-    np.testing.assert_allclose(real_fetch(cache, ids, _never_computed), np.asarray(expected),
-                               rtol=1e-5, atol=1e-6)
-
-  check_read_as_computed(np.concatenate(loader.batch_ids(1)))
+  assert trainer.prefix.advance_size(trainer.config.train.batch_size) == 80
+  _check_read_as_computed(trainer, data, np.concatenate(loader.batch_ids(1)))
   misses = cache.stats()['misses']
   fetched = []
 
   def spy(self, ids, *args, **kwargs):
     fetched.append(len(ids))
-    return real_fetch(self, ids, *args, **kwargs)
+    return _REAL_FETCH(self, ids, *args, **kwargs)
 
   monkeypatch.setattr(type(cache), 'fetch', spy)
   assert trainer.prefix.prefetch(batches, trainer.plan, trainer.state['frozen']) == len(lacking)
   assert fetched == [len(lacking)]  # one computation for all of them
   assert np.all(cache.depths(np.concatenate(batches)) == 3)
   assert cache.stats()['misses'] == misses + len(lacking)
-  check_read_as_computed(lacking)  # stored by the prefetch, not computed again
+  _check_read_as_computed(trainer, data, lacking)  # stored by the prefetch, not computed again
   # The epoch itself then finds nothing missing: no miss, no pass repeated.
   fetched.clear()
   trainer.train_epoch(2, _Bar())
@@ -292,15 +306,8 @@ def test_more_stragglers_than_a_batch_are_computed_a_batch_at_a_time(monkeypatch
   some): more stragglers than the prefix's compiled batch of 16. They are
   computed in calls of 16 rows, the last one padded, and every one is stored
   as the prefix computes it."""
-  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
-  with config.unlocked():
-    config.cache.update(policy='always')
-  trainer, data = _trainer(config, samples=72)
-  sample = next(iter(trainer.train_loader.epoch(0)))[1]
-  for epoch in range(2):
-    trainer.train_epoch(epoch, _Bar())
-    trainer.maybe_transition(epoch, sample)
-  cache, loader, model = trainer.prefix.cache, trainer.train_loader, trainer.model
+  trainer, data = _cached_at_depth_3()
+  cache, loader = trainer.prefix.cache, trainer.train_loader
   batches = loader.batch_ids(2)
   with cache._lock:  # noqa: SLF001 - 5 entries of every batch gone
     for ids in batches:
@@ -311,12 +318,12 @@ def test_more_stragglers_than_a_batch_are_computed_a_batch_at_a_time(monkeypatch
   assert len(lacking) > 16 and len(lacking) % 16  # the last call padded
   assert all(np.any(cache.depths(ids) >= 0) for ids in batches)
   assert trainer.prefix.local_batch_size == 16
-  real_fetch, real_forward = type(cache).fetch, FrozenPrefix._forward
+  real_forward = FrozenPrefix._forward
   fetched, forwarded = [], []
 
   def fetch(self, ids, *args, **kwargs):
     fetched.append(len(ids))
-    return real_fetch(self, ids, *args, **kwargs)
+    return _REAL_FETCH(self, ids, *args, **kwargs)
 
   def forward(self, plan, frozen, batch):
     forwarded.append(len(next(iter(batch.values()))))
@@ -328,23 +335,13 @@ def test_more_stragglers_than_a_batch_are_computed_a_batch_at_a_time(monkeypatch
   n = len(lacking)
   assert fetched == [16] * (n // 16) + ([n % 16] if n % 16 else [])
   assert forwarded == [16] * len(fetched)  # the compiled size, the last call padded
-  expected = model.hidden_states(trainer.canonical_params(),
-                                 {k: data[k][lacking] for k in model.input_keys}, upto_layer=3)
-  np.testing.assert_allclose(real_fetch(cache, lacking, _never_computed), np.asarray(expected),
-                             rtol=1e-5, atol=1e-6)
+  _check_read_as_computed(trainer, data, lacking)
 
 
 def test_stragglers_the_cache_cannot_store_are_left_to_their_batches(monkeypatch):
   """With budgets below the data set, a straggler the cache would refuse is
   not computed before the epoch (it would be computed again in its batch)."""
-  config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
-  with config.unlocked():
-    config.cache.update(policy='always')
-  trainer, _ = _trainer(config, samples=72)
-  sample = next(iter(trainer.train_loader.epoch(0)))[1]
-  for epoch in range(2):
-    trainer.train_epoch(epoch, _Bar())
-    trainer.maybe_transition(epoch, sample)
+  trainer, _ = _cached_at_depth_3()
   cache, loader = trainer.prefix.cache, trainer.train_loader
   batches = loader.batch_ids(2)
   lacking = np.setdiff1d(np.concatenate(batches), np.concatenate(loader.batch_ids(1)))
