@@ -11,6 +11,10 @@ stage sends at the end of tick ``t`` is usable by its neighbour from tick
 ``t + 1`` on. Generators (:func:`gpipe`, :func:`one_f_one_b`,
 :func:`forward_only`) give each stage an ordered list of operations and place
 each one at the earliest tick its dependencies allow.
+
+:func:`lockstep_cost` prices a table with real op costs instead: the executor
+ends every tick in a collective, so a tick lasts as long as its slowest stage's
+op, and a 1F1B tick that mixes forwards and backwards costs a backward.
 """
 from __future__ import annotations
 
@@ -281,6 +285,51 @@ def simulate(schedule: Schedule) -> Simulation:
         live -= 1
     peaks.append(peak if not schedule.forward_only else 1)
   return Simulation(schedule.num_ticks, 1.0 - busy / cells, tuple(peaks))
+
+
+@dataclasses.dataclass(frozen=True)
+class LockstepCost:
+  """What one step costs on devices that run a schedule tick by tick.
+
+  Attributes:
+    time: the step's length: over the ticks, the sum of each tick's slowest
+      op (an idle stage waits for it).
+    work: the ops' costs, summed over every stage and tick.
+    utilization: ``work / (time · stages)``, the share of the devices' time
+      spent in ops; 1 minus it is the cost-weighted bubble.
+  """
+  time: float
+  work: float
+  utilization: float
+
+
+def lockstep_cost(schedule: Schedule, forward: Sequence[float],
+                  backward: Sequence[float]) -> LockstepCost:
+  """Costs a valid schedule when every tick ends in a synchronising exchange,
+  as in :mod:`pipejax.pipeline` (communication itself free).
+
+  Args:
+    schedule: the table.
+    forward: per stage, what one FWD costs there (0 where the executor fuses
+      the forward into the backward, as on its last stage).
+    backward: per stage, what one BWD costs there (recomputed forward and
+      backward together, as the executor runs it).
+
+  Raises:
+    ScheduleError: an invalid table, or not one cost per stage.
+  """
+  validate(schedule)
+  k = schedule.num_stages
+  if len(forward) != k or len(backward) != k:
+    raise ScheduleError(f'need one forward and one backward cost per stage ({k}); got '
+                        f'{len(forward)} and {len(backward)}')
+  costs = np.zeros(schedule.ops.shape)
+  costs[schedule.ops == FWD] = np.broadcast_to(np.asarray(forward, float),
+                                               costs.shape)[schedule.ops == FWD]
+  costs[schedule.ops == BWD] = np.broadcast_to(np.asarray(backward, float),
+                                               costs.shape)[schedule.ops == BWD]
+  time, work = float(costs.max(axis=1).sum()), float(costs.sum())
+  return LockstepCost(time, work, work / (time * k) if time else 1.0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -122,3 +122,36 @@ def test_render_draws_the_table():
                                            'stage 1:  . F0 F1 B1 B0  . ')
   assert S.one_f_one_b(2, 3).render() == ('stage 0: F0 F1  . B0 F2 B1  . B2 \n'
                                                  'stage 1:  . F0 B0 F1 B1 F2 B2  . ')
+
+
+def test_lockstep_cost_of_the_hand_written_table():
+  # forward [1, 0] (the last stage fuses its forward into the backward),
+  # backward [3, 2]; per tick of _by_hand_1f1b_k2_m3, the slowest op:
+  # F0 | .    -> 1     F1 | F0  -> 1     . | B0  -> 2     B0 | F1 -> 3
+  # F2 | B1   -> 2     B1 | F2  -> 3     . | B2  -> 2     B2 | .  -> 3
+  cost = S.lockstep_cost(S.one_f_one_b(2, 3), forward=[1, 0], backward=[3, 2])
+  assert cost.time == 17
+  assert cost.work == 3 * (1 + 3) + 3 * (0 + 2)
+  assert cost.utilization == pytest.approx(18 / (17 * 2))
+
+
+@pytest.mark.parametrize('k,m', SIZES)
+def test_lockstep_cost_with_equal_stages_matches_the_closed_forms(k, m):
+  f, b = 1.0, 2.5
+  gpipe = S.lockstep_cost(S.gpipe(k, m), [f] * k, [b] * k)
+  assert gpipe.time == pytest.approx((m + k - 1) * (f + b))  # F ticks, then B ticks
+  assert gpipe.utilization == pytest.approx(m / (m + k - 1))  # the unit-time bubble's
+  ofob = S.lockstep_cost(S.one_f_one_b(k, m), [f] * k, [b] * k)
+  # 1F1B: the first K ticks only forward; from the first backward (tick K) to
+  # the end every tick holds a backward, which the tick waits for.
+  expected = m * (f + b) if k == 1 else k * f + (2 * m + k - 2) * b
+  assert ofob.time == pytest.approx(expected)
+  assert ofob.work == gpipe.work == pytest.approx(m * k * (f + b))
+  if k > 1:  # same ticks (test above), but 1F1B's mixed ticks cost a backward
+    assert ofob.time > gpipe.time
+
+
+def test_lockstep_cost_refuses_wrong_cost_lists():
+  with pytest.raises(S.ScheduleError, match=r'one forward and one backward cost per stage '
+                                            r'\(2\); got 1 and 2'):
+    S.lockstep_cost(S.gpipe(2, 2), [1.0], [1.0, 1.0])
