@@ -35,9 +35,22 @@ that may sample user space only (``kernel.perf_event_paranoid`` above 1) reads
 0 in the OS columns, with a warning; a perf that fails leaves the step times
 written, and exits 2. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with
 call chains).
+
+Beside the measurement, a model of the same plans on ideal devices (column
+``model``): every device computes its stage at its FLOPs (XLA's cost analysis
+of each unit alone, forward and recomputed forward + backward), devices run in
+parallel, every tick lasts as long as its slowest stage's op (the executor ends
+each tick in an exchange: :func:`pipejax.schedule.lockstep_cost`),
+communication, dispatch and the optimizer update are free, and the frozen
+prefix runs data-parallel over all devices. It shows what the freeze schedule
+and the executor allow where the devices really are parallel, which this
+machine's shared cores are not; it is a model, not a measurement. The run's
+train-time ratio is predicted from it too, with the frozen prefix computed
+(as measured here) and with it read from the cache at every depth.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -53,11 +66,14 @@ runtime.setup(8)
 
 # pylint: disable=wrong-import-position
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import elastic, vit_imagenet  # noqa: E402
 from experiments.bench_cache import cpu_and_switches  # noqa: E402
-from pipejax import diskcache, freeze  # noqa: E402
+from models.layered import LayeredModel  # noqa: E402
+from pipejax import diskcache, freeze, schedule  # noqa: E402
+from pipejax.partition import unit_block  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
 
@@ -157,6 +173,10 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
   profiles, perf_error = (profile_plans(list(plans), lambda f: run_steps(f, False), workdir)
                           if perf else ({}, None))
   figures = ratios(step, padded_step, frozen, model.num_layers)
+  flops = unit_flops(model, created.params, batches[0])
+  modeled = model_figures(
+      {f: (p, trainer.batch_size(p)) for f, p in plans.items()}, flops, frozen,
+      trainer.num_devices)
   rows = []
   for f, plan in plans.items():
     rows.append({'frozen_layers': f, 'pipeline_length': plan.pipeline_length,
@@ -168,11 +188,14 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
                  'padded_step_seconds': padded_step.get(f),
                  'flop_ratio': figures['flop_ratio'][f],
                  'cpu_seconds_per_step': cpu[f], 'context_switches_per_step': switches[f],
-                 'cpu_profile_percent': profiles.get(f)})
+                 'cpu_profile_percent': profiles.get(f),
+                 'model_ratio': modeled['ratio'][f],
+                 'model_ratio_cached': modeled['ratio_cached'][f],
+                 'model_utilization': modeled['utilization'][f]})
   predicted, predicted_padded, limit = (figures[k] for k in (
       'predicted', 'predicted_padded', 'limit'))
   print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"slots":>5} {"step ms":>8} {"ratio":>6} '
-        f'{"FLOP ratio":>10} {"padded ms":>14} {"CPU ms":>7} {"switches":>8}')
+        f'{"FLOP ratio":>10} {"padded ms":>14} {"CPU ms":>7} {"switches":>8} {"model":>6}')
   for r in rows:
     pad = (f'{r["padded_step_seconds"] * 1e3:.1f} ({r["padded_slot_width"]})'
            if r['padded_step_seconds'] is not None else '-')
@@ -181,7 +204,7 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
     print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
           f'{r["micro_batches"]:3d} {r["slot_width"]:5d} {r["step_seconds"] * 1e3:8.1f} '
           f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14} {cpu_ms:>7} '
-          f'{switched:>8}')
+          f'{switched:>8} {r["model_ratio"]:6.2f}')
   if profiles:
     print('CPU profile (perf record, % of the samples while the plan\'s steps ran):')
     print(f'{"F":>3} {"K":>3} ' + ' '.join(f'{c:>{len(c)}}' for c in PERF_CATEGORIES))
@@ -191,9 +214,15 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
           f'{shares[c]:>{len(c)}.1f}' for c in PERF_CATEGORIES))
   print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
         f'({predicted_padded:.3f} with freeze.keep_slot_width; FLOP limit {limit:.3f})')
+  print(f'model (ideal parallel devices, lock-step ticks, free communication): train-time '
+        f'ratio {modeled["predicted"]:.3f}, {modeled["predicted_cached"]:.3f} with the frozen '
+        f'prefix cached; the baseline\'s devices busy {modeled["utilization"][0]:.0%} of its step')
   out = {'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
          'predicted_train_ratio': predicted,
-         'predicted_train_ratio_keep_slot_width': predicted_padded, 'flop_limit_ratio': limit}
+         'predicted_train_ratio_keep_slot_width': predicted_padded, 'flop_limit_ratio': limit,
+         'model_train_ratio': modeled['predicted'],
+         'model_train_ratio_cached': modeled['predicted_cached'],
+         'unit_flops_per_sample': {k: list(v) for k, v in flops.items()}}
   diskcache.write_atomic(os.path.join(workdir, 'bench_plans.json'),
                          lambda f: json.dump(out, f, indent=2))
   print(f'wrote {workdir}/bench_plans.json')
@@ -218,6 +247,104 @@ def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[i
           'predicted': sum(step[f] for f in frozen) / baseline,
           'predicted_padded': sum(padded_step.get(f, step[f]) for f in frozen) / baseline,
           'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
+
+
+def unit_flops(model: LayeredModel, params, batch) -> dict[str, tuple[float, float]]:
+  """Per sample, ``(forward, forward + backward)`` FLOPs of each kind of unit
+  (``embed``, ``attention``, ``mlp``, ``head`` with its loss, and ``mlp_in`` /
+  ``mlp_out`` where MLPs split), from XLA's cost analysis of the unit alone on
+  the first sample of ``batch``. The second is a ``jax.vjp`` with respect to
+  the unit's parameters and input (the embedding's: its parameters), as the
+  executor's BWD runs it: XLA keeps of the recomputed forward only what the
+  backward needs (a dense layer's output, for one, it does not)."""
+  one = jax.tree.map(lambda x: x[:1], batch)
+  first = functools.partial(jax.tree.map, lambda x: x[0])
+  hidden = model.embed_fn(params['embed'], one, None, False)
+
+  def cost(fn, *args) -> float:
+    return float(jax.jit(fn).lower(*args).compile().cost_analysis().get('flops', 0.0))
+
+  def both(fn, p, *inputs) -> tuple[float, float]:
+    # Every input, the cotangent too, is an argument: XLA would fold a
+    # constant one, and simplify a product with a constant cotangent.
+    cotangent = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype),
+                             jax.eval_shape(fn, p, *inputs))
+
+    def backward(p, cotangent, *inputs):
+      if fn is embed:
+        return jax.vjp(lambda p: fn(p, *inputs), p)[1](cotangent)
+      return jax.vjp(fn, p, *inputs)[1](cotangent)
+    return cost(fn, p, *inputs), cost(backward, p, cotangent, *inputs)
+
+  def embed(p, b):
+    return model.embed_fn(p, b, None, False)
+
+  attention, mlp = first(params['attention']), first(params['mlp'])
+  out = {
+      'embed': both(embed, params['embed'], one),  # the gradient of its parameters only
+      'attention': both(lambda p, h, b: model.attention_fn(p, h, b, None, False),
+                        attention, hidden, one),
+      'mlp': both(lambda p, h, b: model.mlp_fn(p, h, b, None, False), mlp, hidden, one),
+      'head': both(lambda p, h, b: model.loss_fn(p, h, b, None, False)[0], params['head'],
+                   hidden, one)}
+  if model.can_split_mlp:
+    out['mlp_in'] = both(lambda p, h, b: model.mlp_in_fn(p, h, b, None, False), mlp,
+                         hidden, one)
+    inner = model.mlp_in_fn(mlp, hidden, one, None, False)
+    out['mlp_out'] = both(lambda p, i, h, b: model.mlp_out_fn(p, i, h, b, None, False),
+                          mlp, inner, hidden, one)
+  return out
+
+
+def modeled_step(plan, flops: dict[str, tuple[float, float]], batch_size: int,
+                 num_devices: int, prefix_cached: bool = False
+                 ) -> tuple[float, schedule.LockstepCost]:
+  """One train step of ``plan`` on ideal devices (the module docstring's
+  model): its length in FLOPs of the slowest device, and the pipelined part's
+  :func:`pipejax.schedule.lockstep_cost`. Each stage's FWD costs its units'
+  forward FLOPs (none on the last stage, which fuses it into its BWD), its BWD
+  their forward + backward, for ``batch_size / (R · M)`` samples. Unless
+  ``prefix_cached``, the step adds the frozen prefix's forward of
+  ``batch_size`` samples over ``num_devices``."""
+  part = plan.partition
+  k, samples = part.pipeline_length, batch_size / (plan.replicas * plan.micro_batches)
+  forward, backward = [], []
+  stage_units = part.stage_units()
+  for s, units in enumerate(stage_units):
+    kinds = ['mlp_out'] if s - 1 in part.split_mlp else []  # the received second half
+    for u in units:
+      block = unit_block(u, part.num_layers)
+      kind = ('embed' if u == 0 else 'head') if block is None else (
+          'attention' if u % 2 else 'mlp')
+      kinds.append('mlp_in' if s in part.split_mlp and u == units[-1] else kind)
+    forward.append(0.0 if s == k - 1 else samples * sum(flops[c][0] for c in kinds))
+    backward.append(samples * sum(flops[c][1] for c in kinds))
+  cost = schedule.lockstep_cost(schedule.make(plan.schedule, k, plan.micro_batches),
+                                forward, backward)
+  f, prefix = part.num_frozen_layers, 0.0
+  if f and not prefix_cached:
+    prefix = ((flops['embed'][0] + f * (flops['attention'][0] + flops['mlp'][0]))
+              * batch_size / num_devices)
+  return cost.time + prefix, cost
+
+
+def model_figures(plans: dict, flops: dict[str, tuple[float, float]], frozen: list[int],
+                  num_devices: int) -> dict:
+  """:func:`modeled_step` of every depth's ``(plan, global batch)`` in
+  ``plans`` (depth 0: the baseline's), as ratios to the baseline's step, with
+  the frozen prefix computed and cached; the devices' utilization in the
+  pipelined part; and over the epochs' depths ``frozen`` the predicted
+  train-time ratios."""
+  computed = {f: modeled_step(p, flops, b, num_devices) for f, (p, b) in plans.items()}
+  cached = {f: modeled_step(p, flops, b, num_devices, prefix_cached=True)[0]
+            for f, (p, b) in plans.items()}
+  base = computed[0][0]
+  ratio = {f: t / base for f, (t, _) in computed.items()}
+  ratio_cached = {f: t / base for f, t in cached.items()}
+  return {'ratio': ratio, 'ratio_cached': ratio_cached,
+          'utilization': {f: c.utilization for f, (_, c) in computed.items()},
+          'predicted': sum(ratio[f] for f in frozen) / len(frozen),
+          'predicted_cached': sum(ratio_cached[f] for f in frozen) / len(frozen)}
 
 
 #: What :func:`perf_categories` splits the samples into.

@@ -12,6 +12,8 @@ import pytest
 
 from experiments import bench_cache, bench_plans
 from pipejax import schedule
+from pipejax.partition import Partition
+from pipejax.pipeline import Plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +90,50 @@ def test_bench_plans_figures_from_the_step_times():
   # Twice the baseline's step: every ratio halves.
   assert bench_plans.ratios({0: 2.0, 2: 0.6, 3: 0.5}, {}, [0, 2, 2, 3], blocks=4)[
       'predicted'] == pytest.approx((2.0 + 0.6 + 0.6 + 0.5) / 8)
+
+
+# Made-up per-sample FLOPs (forward, forward + backward) of each kind of unit.
+_FLOPS = {'embed': (1, 2), 'attention': (10, 30), 'mlp': (20, 50), 'head': (3, 9),
+          'mlp_in': (12, 33), 'mlp_out': (8, 17)}
+
+
+def _plan(num_layers, frozen, sizes, replicas, micro_batches, name, split=()):
+  partition = Partition(num_layers, frozen, sizes, split_mlp=split,
+                        mlp_in_keys=('in',) if split else ())
+  return Plan(partition, replicas, micro_batches, name)
+
+
+def test_modeled_step_by_hand():
+  """Two plans priced tick by tick by hand (4 samples a micro-batch)."""
+  # L = 2, nothing frozen, 1F1B, K = 2: stage 0 = embed, attention 0, MLP 0;
+  # stage 1 = attention 1, MLP 1, head. FWD: 4·31 = 124 and 0 (the last
+  # stage fuses it); BWD: 4·82 = 328 and 4·89 = 356. The table:
+  #   stage 0: F0 F1 .  B0 .  B1      ticks: 124 124 356 328 356 328
+  #   stage 1: .  F0 B0 F1 B1 .
+  time, base = bench_plans.modeled_step(_plan(2, 0, (3, 3), 2, 2, '1f1b'), _FLOPS, 16, 4)
+  assert time == base.time == 124 + 124 + 356 + 328 + 356 + 328
+  assert base.work == 2 * (124 + 328) + 2 * (0 + 356)
+  assert base.utilization == pytest.approx(0.5)
+  # L = 3, 1 block frozen, GPipe, K = 2, MLP 1 split: stage 0 = attention 1,
+  # MLP 1's first half; stage 1 = its second half, attention 2, MLP 2, head.
+  # FWD 4·22 = 88 and 0, BWD 4·63 = 252 and 4·106 = 424. The table:
+  #   stage 0: F0 F1 .  .  B1 B0      ticks: 88 88 0 424 424 252
+  #   stage 1: .  F0 F1 B1 B0 .
+  # The frozen prefix (embed and block 0, forward: 31 a sample) computed
+  # data-parallel: 16 samples over 4 devices.
+  frozen = _plan(3, 1, (2, 3), 2, 2, 'gpipe', split=(0,))
+  assert bench_plans.modeled_step(frozen, _FLOPS, 16, 4, prefix_cached=True)[0] == (
+      88 + 88 + 0 + 424 + 424 + 252)
+  time, pipelined = bench_plans.modeled_step(frozen, _FLOPS, 16, 4)
+  assert (time, pipelined.time) == (1276 + 31 * 16 / 4, 1276)
+  # The run: depths 0, 1, 1.
+  figures = bench_plans.model_figures(
+      {0: (_plan(2, 0, (3, 3), 2, 2, '1f1b'), 16), 1: (frozen, 16)}, _FLOPS, [0, 1, 1], 4)
+  assert figures['ratio'] == pytest.approx({0: 1.0, 1: 1400 / 1616})
+  assert figures['ratio_cached'] == pytest.approx({0: 1.0, 1: 1276 / 1616})
+  assert figures['predicted'] == pytest.approx((1 + 2 * 1400 / 1616) / 3)
+  assert figures['predicted_cached'] == pytest.approx((1 + 2 * 1276 / 1616) / 3)
+  assert figures['utilization'][0] == pytest.approx(0.5)
 
 
 _REPORT = """\
@@ -257,6 +303,19 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
     assert r['cpu_profile_percent'] == bench_plans.perf_categories(_REPORT)
     assert (workdir / f'perf-F{r["frozen_layers"]}.data').exists()
   assert 'CPU profile (perf record' in out.stdout
+  # The ideal-device model beside the measurement.
+  flops = result['unit_flops_per_sample']
+  assert set(flops) == {'embed', 'attention', 'mlp', 'head', 'mlp_in', 'mlp_out'}
+  assert all(forward > 0 and both > 0 for forward, both in flops.values()), flops
+  # The MLP's forward is its two halves' (to XLA's rounding of elementwise ops).
+  assert flops['mlp'][0] == pytest.approx(flops['mlp_in'][0] + flops['mlp_out'][0], rel=0.01)
+  assert rows[0]['model_ratio'] == rows[0]['model_ratio_cached'] == 1.0
+  for r in rows[1:]:  # a cached prefix only saves
+    assert 0 < r['model_ratio_cached'] < r['model_ratio'] < 1, r
+  assert result['model_train_ratio'] == pytest.approx(np.mean([r['model_ratio'] for r in rows]))
+  assert result['model_train_ratio_cached'] == pytest.approx(
+      np.mean([r['model_ratio_cached'] for r in rows]))
+  assert 'model (ideal parallel devices, lock-step ticks' in out.stdout
   # perf failing at the third plan: the step times are still written, no
   # profile is, and the run ends with one line and exit 2.
   (tmp_path / 'perf-records').unlink()
