@@ -12,9 +12,9 @@ stage sends at the end of tick ``t`` is usable by its neighbour from tick
 :func:`forward_only`) give each stage an ordered list of operations and place
 each one at the earliest tick its dependencies allow.
 
-:func:`lockstep_cost` prices a table with real op costs instead: the executor
-ends every tick in a collective, so a tick lasts as long as its slowest stage's
-op, and a 1F1B tick that mixes forwards and backwards costs a backward.
+:func:`step_cost` prices a table with real op costs instead: the executor ends
+every tick in an exchange, so a stage's slow op delays the others (all of them
+at once when the exchange is one collective of all stages).
 """
 from __future__ import annotations
 
@@ -288,25 +288,38 @@ def simulate(schedule: Schedule) -> Simulation:
 
 
 @dataclasses.dataclass(frozen=True)
-class LockstepCost:
-  """What one step costs on devices that run a schedule tick by tick.
+class StepCost:
+  """What one step of a schedule costs when its ops take real time.
 
   Attributes:
-    time: the step's length: over the ticks, the sum of each tick's slowest
-      op (an idle stage waits for it).
+    time: from the first tick's start to the last stage's end.
     work: the ops' costs, summed over every stage and tick.
     utilization: ``work / (time · stages)``, the share of the devices' time
-      spent in ops; 1 minus it is the cost-weighted bubble.
+      spent in ops (1 minus it is the cost-weighted bubble); 1 for a step
+      that costs nothing.
   """
   time: float
   work: float
   utilization: float
 
 
-def lockstep_cost(schedule: Schedule, forward: Sequence[float],
-                  backward: Sequence[float]) -> LockstepCost:
-  """Costs a valid schedule when every tick ends in a synchronising exchange,
-  as in :mod:`pipejax.pipeline` (communication itself free).
+#: How :func:`step_cost` lets a tick end (the executor's exchanges,
+#: :data:`pipejax.pipeline.EXCHANGES`): ``'all_gather'``, when every stage
+#: has done its op (one collective of all stages); ``'ppermute'``, when the
+#: stage and its two neighbours have (point-to-point sends and receives).
+SYNCS = ('all_gather', 'ppermute')
+
+
+def step_cost(schedule: Schedule, forward: Sequence[float], backward: Sequence[float],
+              exchange: str = 'ppermute') -> StepCost:
+  """Costs a valid schedule whose every tick ends in an exchange, as in
+  :mod:`pipejax.pipeline`; the exchange itself is free.
+
+  With ``'all_gather'`` the stages run in lock-step: a tick lasts as long as
+  its slowest op, so a 1F1B tick that mixes forwards and backwards costs a
+  backward. With ``'ppermute'`` a stage starts its next tick once it and its
+  neighbours have ended this one, and a slow op delays the others a stage a
+  tick.
 
   Args:
     schedule: the table.
@@ -314,22 +327,32 @@ def lockstep_cost(schedule: Schedule, forward: Sequence[float],
       the forward into the backward, as on its last stage).
     backward: per stage, what one BWD costs there (recomputed forward and
       backward together, as the executor runs it).
+    exchange: one of :data:`SYNCS`.
 
   Raises:
-    ScheduleError: an invalid table, or not one cost per stage.
+    ScheduleError: an invalid table, not one cost per stage, or an unknown
+      exchange.
   """
   validate(schedule)
   k = schedule.num_stages
   if len(forward) != k or len(backward) != k:
     raise ScheduleError(f'need one forward and one backward cost per stage ({k}); got '
                         f'{len(forward)} and {len(backward)}')
+  if exchange not in SYNCS:
+    raise ScheduleError(f'unknown exchange {exchange!r}; expected one of {SYNCS}')
   costs = np.zeros(schedule.ops.shape)
-  costs[schedule.ops == FWD] = np.broadcast_to(np.asarray(forward, float),
-                                               costs.shape)[schedule.ops == FWD]
-  costs[schedule.ops == BWD] = np.broadcast_to(np.asarray(backward, float),
-                                               costs.shape)[schedule.ops == BWD]
-  time, work = float(costs.max(axis=1).sum()), float(costs.sum())
-  return LockstepCost(time, work, work / (time * k) if time else 1.0)
+  for op, per_stage in ((FWD, forward), (BWD, backward)):
+    where = schedule.ops == op
+    costs[where] = np.broadcast_to(np.asarray(per_stage, float), costs.shape)[where]
+  end = np.zeros(k)  # when each stage ended the tick before
+  for tick_costs in costs:
+    done = end + tick_costs  # when each stage reaches the exchange
+    if exchange == 'all_gather':
+      end = np.full(k, done.max())
+    else:
+      end = np.maximum(done, np.maximum(np.r_[done[1:], 0.0], np.r_[0.0, done[:-1]]))
+  time, work = float(end.max()), float(costs.sum())
+  return StepCost(time, work, work / (time * k) if time else 1.0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -124,24 +124,46 @@ def test_render_draws_the_table():
                                                  'stage 1:  . F0 B0 F1 B1 F2 B2  . ')
 
 
-def test_lockstep_cost_of_the_hand_written_table():
+def test_step_cost_of_the_hand_written_table():
   # forward [1, 0] (the last stage fuses its forward into the backward),
   # backward [3, 2]; per tick of _by_hand_1f1b_k2_m3, the slowest op:
   # F0 | .    -> 1     F1 | F0  -> 1     . | B0  -> 2     B0 | F1 -> 3
   # F2 | B1   -> 2     B1 | F2  -> 3     . | B2  -> 2     B2 | .  -> 3
-  cost = S.lockstep_cost(S.one_f_one_b(2, 3), forward=[1, 0], backward=[3, 2])
-  assert cost.time == 17
-  assert cost.work == 3 * (1 + 3) + 3 * (0 + 2)
-  assert cost.utilization == pytest.approx(18 / (17 * 2))
+  for exchange in S.SYNCS:  # two stages: each is the other's neighbour
+    cost = S.step_cost(S.one_f_one_b(2, 3), forward=[1, 0], backward=[3, 2],
+                       exchange=exchange)
+    assert cost.time == 17
+    assert cost.work == 3 * (1 + 3) + 3 * (0 + 2)
+    assert cost.utilization == pytest.approx(18 / (17 * 2))
+
+
+def test_step_cost_ppermute_waits_for_the_neighbours_only():
+  """GPipe, K = 3, M = 2, FWD [1, 2, 0], BWD [3, 1, 2], by hand:
+
+  tick  ops (stages 0 1 2)  costs     reach the exchange  end (ppermute)  all_gather
+  0     F0  .   .           1 0 0     1  0  0             1  1  0         1
+  1     F1  F0  .           1 2 0     2  3  0             3  3  3         3
+  2     .   F1  F0          0 2 0     3  5  3             5  5  5         5
+  3     .   .   F1          0 0 0     5  5  5             5  5  5         5
+  4     .   .   B1          0 0 2     5  5  7             5  7  7         7
+  5     .   B1  B0          0 1 2     5  8  9             8  9  9         9
+  6     B1  B0  .           3 1 0     11 10 9             11 11 10        12
+  7     B0  .   .           3 0 0     14 11 10            14 14 11        15
+
+  At tick 4 stage 0 does not wait for stage 2's backward, two stages away.
+  """
+  table = S.gpipe(3, 2)
+  assert S.step_cost(table, [1, 2, 0], [3, 1, 2], exchange='ppermute').time == 14
+  assert S.step_cost(table, [1, 2, 0], [3, 1, 2], exchange='all_gather').time == 15
 
 
 @pytest.mark.parametrize('k,m', SIZES)
-def test_lockstep_cost_with_equal_stages_matches_the_closed_forms(k, m):
+def test_step_cost_all_gather_with_equal_stages_matches_the_closed_forms(k, m):
   f, b = 1.0, 2.5
-  gpipe = S.lockstep_cost(S.gpipe(k, m), [f] * k, [b] * k)
+  gpipe = S.step_cost(S.gpipe(k, m), [f] * k, [b] * k, exchange='all_gather')
   assert gpipe.time == pytest.approx((m + k - 1) * (f + b))  # F ticks, then B ticks
   assert gpipe.utilization == pytest.approx(m / (m + k - 1))  # the unit-time bubble's
-  ofob = S.lockstep_cost(S.one_f_one_b(k, m), [f] * k, [b] * k)
+  ofob = S.step_cost(S.one_f_one_b(k, m), [f] * k, [b] * k, exchange='all_gather')
   # 1F1B: the first K ticks only forward; from the first backward (tick K) to
   # the end every tick holds a backward, which the tick waits for.
   expected = m * (f + b) if k == 1 else k * f + (2 * m + k - 2) * b
@@ -151,7 +173,28 @@ def test_lockstep_cost_with_equal_stages_matches_the_closed_forms(k, m):
     assert ofob.time > gpipe.time
 
 
-def test_lockstep_cost_refuses_wrong_cost_lists():
+@pytest.mark.parametrize('k,m', SIZES)
+@pytest.mark.parametrize('name', ['gpipe', '1f1b'])
+def test_step_cost_ppermute_never_waits_longer(name, k, m):
+  """Waiting for the neighbours only: never later than for every stage, the
+  same with at most two stages, and never shorter than the busiest stage."""
+  rng = np.random.default_rng(k * 100 + m)
+  table = S.make(name, k, m)
+  for _ in range(5):
+    forward, backward = rng.uniform(0.1, 1, k), rng.uniform(0.1, 3, k)
+    near = S.step_cost(table, forward, backward, exchange='ppermute')
+    every = S.step_cost(table, forward, backward, exchange='all_gather')
+    assert near.time <= every.time + 1e-9
+    if k <= 2:
+      assert near.time == pytest.approx(every.time)
+    assert near.time >= m * max(forward + backward) - 1e-9
+    assert near.work == pytest.approx(every.work) == pytest.approx(m * sum(forward + backward))
+
+
+def test_step_cost_refuses_wrong_cost_lists_and_exchanges():
   with pytest.raises(S.ScheduleError, match=r'one forward and one backward cost per stage '
                                             r'\(2\); got 1 and 2'):
-    S.lockstep_cost(S.gpipe(2, 2), [1.0], [1.0, 1.0])
+    S.step_cost(S.gpipe(2, 2), [1.0], [1.0, 1.0])
+  with pytest.raises(S.ScheduleError, match=r"unknown exchange 'nccl'; expected one of "
+                                            r"\('all_gather', 'ppermute'\)"):
+    S.step_cost(S.gpipe(2, 2), [1.0, 1.0], [1.0, 1.0], exchange='nccl')
