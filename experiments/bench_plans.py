@@ -37,14 +37,16 @@ written, and exits 2. ``DIR/perf-F<F>.data`` stay for ``perf report`` (with
 call chains).
 
 Beside the measurement, a model of the same plans on ideal devices (column
-``model``): every device computes its stage at its FLOPs (XLA's cost analysis
-of each unit alone, forward and recomputed forward + backward), devices run in
-parallel, every tick lasts as long as its slowest stage's op (the executor ends
-each tick in an exchange: :func:`pipejax.schedule.lockstep_cost`),
-communication, dispatch and the optimizer update are free, and the frozen
-prefix runs data-parallel over all devices. It shows what the freeze schedule
-and the executor allow where the devices really are parallel, which this
-machine's shared cores are not; it is a model, not a measurement. The run's
+``model``): every device computes its stage at its FLOPs (:class:`StageFlops`:
+XLA's cost analysis of the stage's forward, and of its recomputed forward and
+backward), devices run in parallel, a stage ends each tick in an exchange with
+its neighbours (``ppermute``, what the executor uses on accelerators; with
+``--config.pipeline.exchange=all_gather`` with every stage:
+:func:`pipejax.schedule.step_cost`), communication, dispatch and the optimizer
+update are free, and the frozen prefix runs data-parallel over the plan's
+devices. It estimates what the freeze schedule and the executor allow where
+the devices really are parallel, which this machine's shared cores are not;
+it is a model under those assumptions, not a measurement. The run's
 train-time ratio is predicted from it too, with the frozen prefix computed
 (as measured here) and with it read from the cache at every depth.
 """
@@ -173,10 +175,11 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
   profiles, perf_error = (profile_plans(list(plans), lambda f: run_steps(f, False), workdir)
                           if perf else ({}, None))
   figures = ratios(step, padded_step, frozen, model.num_layers)
-  flops = unit_flops(model, created.params, batches[0])
-  modeled = model_figures(
-      {f: (p, trainer.batch_size(p)) for f, p in plans.items()}, flops, frozen,
-      trainer.num_devices)
+  flops = StageFlops(model, created.params, batches[0])
+  # The model's exchange: the config's, or with 'auto' an accelerator's.
+  exchange = 'ppermute' if config.pipeline.exchange == 'auto' else config.pipeline.exchange
+  modeled = model_figures({f: (p, trainer.batch_size(p)) for f, p in plans.items()}, flops,
+                          frozen, exchange)
   rows = []
   for f, plan in plans.items():
     rows.append({'frozen_layers': f, 'pipeline_length': plan.pipeline_length,
@@ -214,15 +217,16 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
           f'{shares[c]:>{len(c)}.1f}' for c in PERF_CATEGORIES))
   print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
         f'({predicted_padded:.3f} with freeze.keep_slot_width; FLOP limit {limit:.3f})')
-  print(f'model (ideal parallel devices, lock-step ticks, free communication): train-time '
-        f'ratio {modeled["predicted"]:.3f}, {modeled["predicted_cached"]:.3f} with the frozen '
-        f'prefix cached; the baseline\'s devices busy {modeled["utilization"][0]:.0%} of its step')
+  print(f'model (ideal parallel devices, {exchange} exchanges, free communication): '
+        f'train-time ratio {modeled["predicted"]:.3f}, {modeled["predicted_cached"]:.3f} with '
+        f'the frozen prefix cached; the baseline\'s devices busy '
+        f'{modeled["utilization"][0]:.0%} of its step')
   out = {'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
          'predicted_train_ratio': predicted,
          'predicted_train_ratio_keep_slot_width': predicted_padded, 'flop_limit_ratio': limit,
-         'model_train_ratio': modeled['predicted'],
+         'model_exchange': exchange, 'model_train_ratio': modeled['predicted'],
          'model_train_ratio_cached': modeled['predicted_cached'],
-         'unit_flops_per_sample': {k: list(v) for k, v in flops.items()}}
+         'stage_flops_per_sample': flops.table()}
   diskcache.write_atomic(os.path.join(workdir, 'bench_plans.json'),
                          lambda f: json.dump(out, f, indent=2))
   print(f'wrote {workdir}/bench_plans.json')
@@ -249,99 +253,150 @@ def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[i
           'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
 
 
-def unit_flops(model: LayeredModel, params, batch) -> dict[str, tuple[float, float]]:
-  """Per sample, ``(forward, forward + backward)`` FLOPs of each kind of unit
-  (``embed``, ``attention``, ``mlp``, ``head`` with its loss, and ``mlp_in`` /
-  ``mlp_out`` where MLPs split), from XLA's cost analysis of the unit alone on
-  the first sample of ``batch``. The second is a ``jax.vjp`` with respect to
-  the unit's parameters and input (the embedding's: its parameters), as the
-  executor's BWD runs it: XLA keeps of the recomputed forward only what the
-  backward needs (a dense layer's output, for one, it does not)."""
-  one = jax.tree.map(lambda x: x[:1], batch)
-  first = functools.partial(jax.tree.map, lambda x: x[0])
-  hidden = model.embed_fn(params['embed'], one, None, False)
+class StageFlops:
+  """Per-sample FLOPs of pipeline stages, from XLA's cost analysis of the
+  stage's units run in a row on the first sample of ``batch``.
 
-  def cost(fn, *args) -> float:
-    return float(jax.jit(fn).lower(*args).compile().cost_analysis().get('flops', 0.0))
+  ``kinds`` names a stage's units in order: ``embed``, ``attention``,
+  ``mlp``, ``mlp_in`` (a split MLP's first half, last in its stage),
+  ``mlp_out`` (its second half, first in the next stage) and ``head`` (with
+  the loss). :meth:`forward` is the stage's forward (the frozen prefix's
+  too); :meth:`backward` is its ``jax.vjp`` with respect to its parameters
+  and input activations, as the executor's BWD runs it: the forward is
+  recomputed as far as the backward needs it (XLA drops, for one, the output
+  of the stage's last dense layer). Units run with ``train=False``: dropout
+  is not counted.
 
-  def both(fn, p, *inputs) -> tuple[float, float]:
-    # Every input, the cotangent too, is an argument: XLA would fold a
-    # constant one, and simplify a product with a constant cotangent.
-    cotangent = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype),
-                             jax.eval_shape(fn, p, *inputs))
+  Raises:
+    ValueError: XLA reports no FLOPs for a stage (a backend without cost
+      analysis).
+  """
 
-    def backward(p, cotangent, *inputs):
-      if fn is embed:
-        return jax.vjp(lambda p: fn(p, *inputs), p)[1](cotangent)
-      return jax.vjp(fn, p, *inputs)[1](cotangent)
-    return cost(fn, p, *inputs), cost(backward, p, cotangent, *inputs)
+  def __init__(self, model: LayeredModel, params, batch):
+    self.model = model
+    self.batch = jax.tree.map(lambda x: x[:1], batch)
+    first = functools.partial(jax.tree.map, lambda x: x[0])
+    self.params = {'embed': params['embed'], 'attention': first(params['attention']),
+                   'mlp': first(params['mlp']), 'head': params['head']}
+    self.hidden = model.embed_fn(params['embed'], self.batch, None, False)
+    self.inner = (model.mlp_in_fn(self.params['mlp'], self.hidden, self.batch, None, False)
+                  if model.can_split_mlp else None)
+    self._costs: dict[tuple, float] = {}
 
-  def embed(p, b):
-    return model.embed_fn(p, b, None, False)
+  def forward(self, kinds: tuple[str, ...]) -> float:
+    return self._cost(tuple(kinds), backward=False)
 
-  attention, mlp = first(params['attention']), first(params['mlp'])
-  out = {
-      'embed': both(embed, params['embed'], one),  # the gradient of its parameters only
-      'attention': both(lambda p, h, b: model.attention_fn(p, h, b, None, False),
-                        attention, hidden, one),
-      'mlp': both(lambda p, h, b: model.mlp_fn(p, h, b, None, False), mlp, hidden, one),
-      'head': both(lambda p, h, b: model.loss_fn(p, h, b, None, False)[0], params['head'],
-                   hidden, one)}
-  if model.can_split_mlp:
-    out['mlp_in'] = both(lambda p, h, b: model.mlp_in_fn(p, h, b, None, False), mlp,
-                         hidden, one)
-    inner = model.mlp_in_fn(mlp, hidden, one, None, False)
-    out['mlp_out'] = both(lambda p, i, h, b: model.mlp_out_fn(p, i, h, b, None, False),
-                          mlp, inner, hidden, one)
+  def backward(self, kinds: tuple[str, ...]) -> float:
+    return self._cost(tuple(kinds), backward=True)
+
+  def _stage(self, kinds: tuple[str, ...]):
+    """``fn(params, activations, batch)``, the stage's units in a row."""
+    m = self.model
+
+    def fn(ps, activations, b):
+      inner, h = (None, None) if kinds[0] == 'embed' else (
+          activations if kinds[0] == 'mlp_out' else (None, activations[0]))
+      for kind, p in zip(kinds, ps):
+        if kind == 'embed':
+          h = m.embed_fn(p, b, None, False)
+        elif kind == 'attention':
+          h = m.attention_fn(p, h, b, None, False)
+        elif kind == 'mlp':
+          h = m.mlp_fn(p, h, b, None, False)
+        elif kind == 'mlp_in':
+          return m.mlp_in_fn(p, h, b, None, False), h
+        elif kind == 'mlp_out':
+          h = m.mlp_out_fn(p, inner, h, b, None, False)
+        else:
+          return m.loss_fn(p, h, b, None, False)[0]
+      return h
+    ps = tuple(self.params['mlp' if k in ('mlp_in', 'mlp_out') else k] for k in kinds)
+    activations = (() if kinds[0] == 'embed' else (self.inner, self.hidden)
+                   if kinds[0] == 'mlp_out' else (self.hidden,))
+    return fn, ps, activations
+
+  def _cost(self, kinds: tuple[str, ...], backward: bool) -> float:
+    if (kinds, backward) not in self._costs:
+      fn, ps, activations = self._stage(kinds)
+      if backward:
+        # Every input, the cotangent too, is an argument: XLA would fold a
+        # constant one, and simplify a product with a constant cotangent.
+        cotangent = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype),
+                                 jax.eval_shape(fn, ps, activations, self.batch))
+
+        def vjp(ps, activations, cotangent, b):
+          return jax.vjp(lambda ps, xs: fn(ps, xs, b), ps, activations)[1](cotangent)
+        args = (ps, activations, cotangent, self.batch)
+      else:
+        vjp, args = fn, (ps, activations, self.batch)
+      flops = jax.jit(vjp).lower(*args).compile().cost_analysis().get('flops')
+      if not flops or flops <= 0:
+        raise ValueError(f'XLA reports no FLOPs for a stage of {"+".join(kinds)} '
+                         f'on {jax.devices()[0].platform}: the model needs its cost analysis')
+      self._costs[kinds, backward] = float(flops)
+    return self._costs[kinds, backward]
+
+  def table(self) -> dict[str, dict[str, float]]:
+    """Every cost computed so far, by the stage's kinds joined with ``+``."""
+    out: dict[str, dict[str, float]] = {}
+    for (kinds, backward), flops in sorted(self._costs.items()):
+      out.setdefault('+'.join(kinds), {})['backward' if backward else 'forward'] = flops
+    return out
+
+
+def stage_kinds(partition) -> list[tuple[str, ...]]:
+  """The kinds (:class:`StageFlops`) of each stage's units, in order."""
+  out, stage_units = [], partition.stage_units()
+  for s, units in enumerate(stage_units):
+    kinds = ['mlp_out'] if s - 1 in partition.split_mlp else []  # the received second half
+    for u in units:
+      block = unit_block(u, partition.num_layers)
+      kind = ('embed' if u == 0 else 'head') if block is None else (
+          'attention' if u % 2 else 'mlp')
+      kinds.append('mlp_in' if s in partition.split_mlp and u == units[-1] else kind)
+    out.append(tuple(kinds))
   return out
 
 
-def modeled_step(plan, flops: dict[str, tuple[float, float]], batch_size: int,
-                 num_devices: int, prefix_cached: bool = False
-                 ) -> tuple[float, schedule.LockstepCost]:
+def modeled_step(plan, flops, batch_size: int, prefix_cached: bool = False,
+                 exchange: str = 'ppermute') -> tuple[float, schedule.StepCost]:
   """One train step of ``plan`` on ideal devices (the module docstring's
-  model): its length in FLOPs of the slowest device, and the pipelined part's
-  :func:`pipejax.schedule.lockstep_cost`. Each stage's FWD costs its units'
-  forward FLOPs (none on the last stage, which fuses it into its BWD), its BWD
-  their forward + backward, for ``batch_size / (R · M)`` samples. Unless
-  ``prefix_cached``, the step adds the frozen prefix's forward of
-  ``batch_size`` samples over ``num_devices``."""
+  model): its length in FLOPs, and the pipelined part's
+  :func:`pipejax.schedule.step_cost` with ``exchange``. Each stage's FWD costs
+  ``flops.forward`` of its units (none on the last stage, which fuses it into
+  its BWD), its BWD ``flops.backward``, for ``batch_size / (R · M)`` samples
+  (``flops``: a :class:`StageFlops`). Unless ``prefix_cached``, the step
+  adds the frozen prefix's forward of ``batch_size`` samples over the plan's
+  ``R · K`` devices."""
   part = plan.partition
   k, samples = part.pipeline_length, batch_size / (plan.replicas * plan.micro_batches)
-  forward, backward = [], []
-  stage_units = part.stage_units()
-  for s, units in enumerate(stage_units):
-    kinds = ['mlp_out'] if s - 1 in part.split_mlp else []  # the received second half
-    for u in units:
-      block = unit_block(u, part.num_layers)
-      kind = ('embed' if u == 0 else 'head') if block is None else (
-          'attention' if u % 2 else 'mlp')
-      kinds.append('mlp_in' if s in part.split_mlp and u == units[-1] else kind)
-    forward.append(0.0 if s == k - 1 else samples * sum(flops[c][0] for c in kinds))
-    backward.append(samples * sum(flops[c][1] for c in kinds))
-  cost = schedule.lockstep_cost(schedule.make(plan.schedule, k, plan.micro_batches),
-                                forward, backward)
+  kinds = stage_kinds(part)
+  forward = [0.0 if s == k - 1 else samples * flops.forward(c) for s, c in enumerate(kinds)]
+  backward = [samples * flops.backward(c) for c in kinds]
+  cost = schedule.step_cost(schedule.make(plan.schedule, k, plan.micro_batches), forward,
+                            backward, exchange)
   f, prefix = part.num_frozen_layers, 0.0
   if f and not prefix_cached:
-    prefix = ((flops['embed'][0] + f * (flops['attention'][0] + flops['mlp'][0]))
-              * batch_size / num_devices)
+    prefix = (flops.forward(('embed',) + ('attention', 'mlp') * f)
+              * batch_size / plan.num_devices)
   return cost.time + prefix, cost
 
 
-def model_figures(plans: dict, flops: dict[str, tuple[float, float]], frozen: list[int],
-                  num_devices: int) -> dict:
+def model_figures(plans: dict, flops, frozen: list[int], exchange: str = 'ppermute') -> dict:
   """:func:`modeled_step` of every depth's ``(plan, global batch)`` in
-  ``plans`` (depth 0: the baseline's), as ratios to the baseline's step, with
-  the frozen prefix computed and cached; the devices' utilization in the
-  pipelined part; and over the epochs' depths ``frozen`` the predicted
-  train-time ratios."""
-  computed = {f: modeled_step(p, flops, b, num_devices) for f, (p, b) in plans.items()}
-  cached = {f: modeled_step(p, flops, b, num_devices, prefix_cached=True)[0]
+  ``plans`` (depth 0, the baseline's, is required), as ratios to the
+  baseline's step, with the frozen prefix computed and cached; the devices'
+  utilization in the pipelined part; and over the epochs' depths ``frozen``
+  (not empty) the predicted train-time ratios."""
+  if 0 not in plans or not frozen:
+    raise ValueError('the model needs the baseline (depth 0) and at least one epoch')
+  computed = {f: modeled_step(p, flops, b, exchange=exchange) for f, (p, b) in plans.items()}
+  cached = {f: modeled_step(p, flops, b, prefix_cached=True, exchange=exchange)[0]
             for f, (p, b) in plans.items()}
   base = computed[0][0]
   ratio = {f: t / base for f, (t, _) in computed.items()}
   ratio_cached = {f: t / base for f, t in cached.items()}
-  return {'ratio': ratio, 'ratio_cached': ratio_cached,
+  return {'exchange': exchange, 'ratio': ratio, 'ratio_cached': ratio_cached,
           'utilization': {f: c.utilization for f, (_, c) in computed.items()},
           'predicted': sum(ratio[f] for f in frozen) / len(frozen),
           'predicted_cached': sum(ratio_cached[f] for f in frozen) / len(frozen)}

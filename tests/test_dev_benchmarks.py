@@ -7,13 +7,16 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+import models
 from experiments import bench_cache, bench_plans
 from pipejax import schedule
 from pipejax.partition import Partition
 from pipejax.pipeline import Plan
+from tests import fixtures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,9 +95,16 @@ def test_bench_plans_figures_from_the_step_times():
       'predicted'] == pytest.approx((2.0 + 0.6 + 0.6 + 0.5) / 8)
 
 
-# Made-up per-sample FLOPs (forward, forward + backward) of each kind of unit.
-_FLOPS = {'embed': (1, 2), 'attention': (10, 30), 'mlp': (20, 50), 'head': (3, 9),
-          'mlp_in': (12, 33), 'mlp_out': (8, 17)}
+class _MadeUpFlops:
+  """Per-sample FLOPs in which a stage costs the sum of its units'."""
+  UNITS = {'embed': (1, 2), 'attention': (10, 30), 'mlp': (20, 50), 'head': (3, 9),
+           'mlp_in': (12, 33), 'mlp_out': (8, 17)}
+
+  def forward(self, kinds):
+    return sum(self.UNITS[k][0] for k in kinds)
+
+  def backward(self, kinds):
+    return sum(self.UNITS[k][1] for k in kinds)
 
 
 def _plan(num_layers, frozen, sizes, replicas, micro_batches, name, split=()):
@@ -104,36 +114,88 @@ def _plan(num_layers, frozen, sizes, replicas, micro_batches, name, split=()):
 
 
 def test_modeled_step_by_hand():
-  """Two plans priced tick by tick by hand (4 samples a micro-batch)."""
+  """Two plans priced tick by tick by hand (4 samples a micro-batch; with two
+  stages each exchange waits for both)."""
+  flops = _MadeUpFlops()
   # L = 2, nothing frozen, 1F1B, K = 2: stage 0 = embed, attention 0, MLP 0;
   # stage 1 = attention 1, MLP 1, head. FWD: 4·31 = 124 and 0 (the last
   # stage fuses it); BWD: 4·82 = 328 and 4·89 = 356. The table:
   #   stage 0: F0 F1 .  B0 .  B1      ticks: 124 124 356 328 356 328
   #   stage 1: .  F0 B0 F1 B1 .
-  time, base = bench_plans.modeled_step(_plan(2, 0, (3, 3), 2, 2, '1f1b'), _FLOPS, 16, 4)
-  assert time == base.time == 124 + 124 + 356 + 328 + 356 + 328
-  assert base.work == 2 * (124 + 328) + 2 * (0 + 356)
-  assert base.utilization == pytest.approx(0.5)
+  base = _plan(2, 0, (3, 3), 2, 2, '1f1b')
+  assert bench_plans.stage_kinds(base.partition) == [('embed', 'attention', 'mlp'),
+                                                     ('attention', 'mlp', 'head')]
+  time, cost = bench_plans.modeled_step(base, flops, 16)
+  assert time == cost.time == 124 + 124 + 356 + 328 + 356 + 328
+  assert cost.work == 2 * (124 + 328) + 2 * (0 + 356)
+  assert cost.utilization == pytest.approx(0.5)
   # L = 3, 1 block frozen, GPipe, K = 2, MLP 1 split: stage 0 = attention 1,
   # MLP 1's first half; stage 1 = its second half, attention 2, MLP 2, head.
   # FWD 4·22 = 88 and 0, BWD 4·63 = 252 and 4·106 = 424. The table:
   #   stage 0: F0 F1 .  .  B1 B0      ticks: 88 88 0 424 424 252
   #   stage 1: .  F0 F1 B1 B0 .
   # The frozen prefix (embed and block 0, forward: 31 a sample) computed
-  # data-parallel: 16 samples over 4 devices.
+  # data-parallel: 16 samples over the plan's R·K = 4 devices.
   frozen = _plan(3, 1, (2, 3), 2, 2, 'gpipe', split=(0,))
-  assert bench_plans.modeled_step(frozen, _FLOPS, 16, 4, prefix_cached=True)[0] == (
+  assert bench_plans.stage_kinds(frozen.partition) == [
+      ('attention', 'mlp_in'), ('mlp_out', 'attention', 'mlp', 'head')]
+  assert bench_plans.modeled_step(frozen, flops, 16, prefix_cached=True)[0] == (
       88 + 88 + 0 + 424 + 424 + 252)
-  time, pipelined = bench_plans.modeled_step(frozen, _FLOPS, 16, 4)
-  assert (time, pipelined.time) == (1276 + 31 * 16 / 4, 1276)
+  time, cost = bench_plans.modeled_step(frozen, flops, 16, exchange='all_gather')
+  assert (time, cost.time) == (1276 + 31 * 16 / 4, 1276)
   # The run: depths 0, 1, 1.
-  figures = bench_plans.model_figures(
-      {0: (_plan(2, 0, (3, 3), 2, 2, '1f1b'), 16), 1: (frozen, 16)}, _FLOPS, [0, 1, 1], 4)
+  figures = bench_plans.model_figures({0: (base, 16), 1: (frozen, 16)}, flops, [0, 1, 1])
   assert figures['ratio'] == pytest.approx({0: 1.0, 1: 1400 / 1616})
   assert figures['ratio_cached'] == pytest.approx({0: 1.0, 1: 1276 / 1616})
   assert figures['predicted'] == pytest.approx((1 + 2 * 1400 / 1616) / 3)
   assert figures['predicted_cached'] == pytest.approx((1 + 2 * 1276 / 1616) / 3)
   assert figures['utilization'][0] == pytest.approx(0.5)
+  with pytest.raises(ValueError, match='needs the baseline'):
+    bench_plans.model_figures({1: (frozen, 16)}, flops, [1])
+
+
+@pytest.mark.parametrize('kind,tokens,mlp_backward', [('vit', 5, 2.5),
+                                                      ('bert-classification', 8, 3.0)])
+def test_stage_flops_count_the_dense_layers(kind, tokens, mlp_backward):
+  """Against the dense layers' FLOPs by hand (2 per multiply-add, per token;
+  a model wide enough for them to dominate): a unit's forward at least them.
+  The MLP's backward, with the recomputed forward, in halves of its dense
+  FLOPs (each dense layer is one half): the first layer recomputed, the
+  gradients of both weights, of the inner activation and of the input, 2.5;
+  BERT normalises after the residual, so its second layer is recomputed too,
+  3.0. A stage's forward is about its units', an MLP's its halves'. The
+  embedding's backward (its parameters only) is not folded away."""
+  overrides = dict(fixtures.TINY['vit' if kind == 'vit' else 'bert'], hidden_size=64,
+                   intermediate_size=256, num_hidden_layers=1)
+  created = models.create(kind, models.config_for(kind, **overrides), seed=0)
+  d, inner = 64, 256
+  flops = bench_plans.StageFlops(created.model, created.params,
+                                 fixtures.batch(kind, created.model, 2, seq_len=tokens))
+  attention = tokens * 2 * (4 * d * d) + 2 * (2 * tokens * tokens * d)  # q, k, v, out; scores
+  mlp = tokens * 2 * (2 * d * inner)
+  assert attention <= flops.forward(('attention',)) < 1.5 * attention
+  assert 2 * attention <= flops.backward(('attention',)) < 4 * attention
+  assert mlp <= flops.forward(('mlp',)) < 1.5 * mlp
+  assert mlp_backward * mlp <= flops.backward(('mlp',)) < 4.5 * mlp
+  one = {k: flops.forward((k,)) for k in ('embed', 'attention', 'mlp', 'mlp_in', 'mlp_out')}
+  # XLA may fuse a cheap op into two consumers and run it twice: a stage costs
+  # its units' sum or somewhat more.
+  parts = one['embed'] + one['attention'] + one['mlp']
+  assert parts <= flops.forward(('embed', 'attention', 'mlp')) < 1.25 * parts
+  assert one['mlp'] == pytest.approx(one['mlp_in'] + one['mlp_out'], rel=0.01)
+  assert flops.backward(('embed',)) > 0
+  assert flops.backward(('head',)) > flops.forward(('head',)) > 0
+  assert set(flops.table()['embed+attention+mlp']) == {'forward'}
+
+
+def test_stage_flops_refuse_a_backend_without_cost_analysis(monkeypatch):
+  created = fixtures.tiny('vit')
+  flops = bench_plans.StageFlops(created.model, created.params,
+                                 fixtures.batch('vit', created.model, 2))
+  monkeypatch.setattr(jax.stages.Compiled, 'cost_analysis', lambda self: {})
+  with pytest.raises(ValueError, match=r'^XLA reports no FLOPs for a stage of attention\+mlp '
+                                       r'on cpu: the model needs its cost analysis$'):
+    flops.backward(('attention', 'mlp'))
 
 
 _REPORT = """\
@@ -303,19 +365,21 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
     assert r['cpu_profile_percent'] == bench_plans.perf_categories(_REPORT)
     assert (workdir / f'perf-F{r["frozen_layers"]}.data').exists()
   assert 'CPU profile (perf record' in out.stdout
-  # The ideal-device model beside the measurement.
-  flops = result['unit_flops_per_sample']
-  assert set(flops) == {'embed', 'attention', 'mlp', 'head', 'mlp_in', 'mlp_out'}
-  assert all(forward > 0 and both > 0 for forward, both in flops.values()), flops
-  # The MLP's forward is its two halves' (to XLA's rounding of elementwise ops).
-  assert flops['mlp'][0] == pytest.approx(flops['mlp_in'][0] + flops['mlp_out'][0], rel=0.01)
+  # The ideal-device model beside the measurement: every stage of every plan
+  # priced, forward and backward, and the frozen prefixes forward.
+  flops = result['stage_flops_per_sample']
+  assert result['model_exchange'] == 'ppermute'
+  assert {'embed+' + '+'.join(['attention', 'mlp'] * f) for f in (4, 6)} <= set(flops)
+  assert all(v > 0 for costs in flops.values() for v in costs.values()), flops
+  stages = [k for k, costs in flops.items() if 'backward' in costs]
+  assert any(k.startswith('embed+') for k in stages) and any(k.endswith('+head') for k in stages)
   assert rows[0]['model_ratio'] == rows[0]['model_ratio_cached'] == 1.0
   for r in rows[1:]:  # a cached prefix only saves
     assert 0 < r['model_ratio_cached'] < r['model_ratio'] < 1, r
   assert result['model_train_ratio'] == pytest.approx(np.mean([r['model_ratio'] for r in rows]))
   assert result['model_train_ratio_cached'] == pytest.approx(
       np.mean([r['model_ratio_cached'] for r in rows]))
-  assert 'model (ideal parallel devices, lock-step ticks' in out.stdout
+  assert 'model (ideal parallel devices, ppermute exchanges' in out.stdout
   # perf failing at the third plan: the step times are still written, no
   # profile is, and the run ends with one line and exit 2.
   (tmp_path / 'perf-records').unlink()
