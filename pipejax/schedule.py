@@ -11,6 +11,8 @@ stage sends at the end of tick ``t`` is usable by its neighbour from tick
 ``t + 1`` on. Generators (:func:`gpipe`, :func:`one_f_one_b`,
 :func:`forward_only`) give each stage an ordered list of operations and place
 each one at the earliest tick its dependencies allow.
+:func:`one_f_one_b_fused` places its ops by formula, and a tick of it may run
+a FWD and a BWD on one stage (a BOTH cell).
 
 :func:`step_cost` prices a table with real op costs instead: the executor ends
 every tick in an exchange, so a stage's slow op delays the others (all of them
@@ -25,6 +27,8 @@ from typing import Sequence
 import numpy as np
 
 IDLE, FWD, BWD = 0, 1, 2
+#: A cell that runs a FWD and a BWD (of another micro-batch) in one tick.
+BOTH = FWD | BWD
 _OP_NAMES = {IDLE: 'IDLE', FWD: 'FWD', BWD: 'BWD'}
 
 
@@ -38,16 +42,20 @@ class Schedule:
 
   Attributes:
     name: e.g. ``'gpipe'``, ``'1f1b'``.
-    ops: ``[ticks, stages]`` int8 with IDLE / FWD / BWD.
+    ops: ``[ticks, stages]`` int8 with IDLE / FWD / BWD, or BOTH (a FWD and
+      a BWD in one tick).
     micro_batch: ``[ticks, stages]`` int32, the micro-batch of each op (-1 when
-      idle).
+      idle; of the FWD in a BOTH cell).
     forward_only: True for inference schedules (no BWD at all).
+    backward_micro_batch: ``[ticks, stages]`` int32, the BWD's micro-batch in
+      BOTH cells (-1 elsewhere); None in tables without BOTH cells.
   """
 
   name: str
   ops: np.ndarray
   micro_batch: np.ndarray
   forward_only: bool = False
+  backward_micro_batch: np.ndarray | None = None
 
   @property
   def num_ticks(self) -> int:
@@ -61,11 +69,33 @@ class Schedule:
   def num_micro_batches(self) -> int:
     return int(self.micro_batch.max()) + 1
 
+  @property
+  def fused(self) -> bool:
+    """Whether some tick runs a FWD and a BWD on one stage."""
+    return bool((self.ops == BOTH).any())
+
+  def cell(self, tick: int, stage: int) -> list[tuple[int, int]]:
+    """The ``(op, micro_batch)`` run at ``(tick, stage)``: none, one, or a
+    FWD and a BWD."""
+    op, m = int(self.ops[tick, stage]), int(self.micro_batch[tick, stage])
+    if op == BOTH:
+      return [(FWD, m), (BWD, int(self.backward_micro_batch[tick, stage]))]
+    return [] if op == IDLE else [(op, m)]
+
+  @property
+  def backward_micro_batches(self) -> np.ndarray:
+    """``[ticks, stages]``: the micro-batch of each cell's BWD (-1 without)."""
+    out = np.where(self.ops == BWD, self.micro_batch, -1)
+    if self.backward_micro_batch is not None:
+      out = np.where(self.ops == BOTH, self.backward_micro_batch, out)
+    return out.astype(np.int32)
+
   @functools.cached_property
   def key(self) -> tuple:
     """Hashable identity of the table (used to cache compiled steps)."""
     return (self.name, self.forward_only, self.ops.shape, self.ops.tobytes(),
-            self.micro_batch.tobytes())
+            self.micro_batch.tobytes(),
+            None if self.backward_micro_batch is None else self.backward_micro_batch.tobytes())
 
   def __hash__(self) -> int:
     return hash(self.key)
@@ -74,15 +104,13 @@ class Schedule:
     return isinstance(other, Schedule) and self.key == other.key
 
   def render(self) -> str:
-    """The table as text, one row per stage (``F3`` = FWD of micro-batch 3)."""
-    rows = []
-    for s in range(self.num_stages):
-      cells = []
-      for t in range(self.num_ticks):
-        op, m = self.ops[t, s], self.micro_batch[t, s]
-        cells.append(' . ' if op == IDLE else f'{"F" if op == FWD else "B"}{m:<2d}')
-      rows.append(f'stage {s}: ' + ''.join(cells))
-    return '\n'.join(rows)
+    """The table as text, one row per stage (``F3`` = FWD of micro-batch 3,
+    ``F3B1`` = FWD of 3 and BWD of 1 in one tick)."""
+    text = [[''.join(f'{"F" if op == FWD else "B"}{m}' for op, m in self.cell(t, s)) or '.'
+             for t in range(self.num_ticks)] for s in range(self.num_stages)]
+    width = max(len(c) for row in text for c in row) + 1 if self.fused else 3
+    return '\n'.join(f'stage {s}: ' + ''.join((' . ' if c == '.' else c).ljust(width)
+                                               for c in row) for s, row in enumerate(text))
 
 
 def _check_sizes(num_stages: int, num_micro_batches: int) -> None:
@@ -183,7 +211,33 @@ def forward_only(num_stages: int, num_micro_batches: int) -> Schedule:
   return from_orders('forward', orders, forward_only=True)
 
 
-SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b}
+def one_f_one_b_fused(num_stages: int, num_micro_batches: int) -> Schedule:
+  """1F1B with a forward and a backward in one tick: stage s forwards
+  micro-batch m at tick ``m + s`` and backwards it at tick ``m + 2K − 1 − s``,
+  the earliest its cotangent allows, so that from tick K on a stage's tick
+  holds a FWD and a BWD. ``M + 2K − 1`` ticks (1F1B: ``2(M + K − 1)``), and a
+  stage keeps at most ``2(K − s)`` inputs (1F1B: ``K − s``; GPipe: M). Every
+  tick ends in an exchange (:mod:`pipejax.pipeline`), so with 1F1B a stage
+  that forwards waits for its neighbour's backward; here both run in the
+  tick (:func:`step_cost`)."""
+  _check_sizes(num_stages, num_micro_batches)
+  k, m_count = num_stages, num_micro_batches
+  ticks = m_count + 2 * k - 1
+  ops = np.zeros((ticks, k), np.int8)
+  forward_mb = np.full((ticks, k), -1, np.int32)
+  backward_mb = np.full((ticks, k), -1, np.int32)
+  for s in range(k):
+    for m in range(m_count):
+      ops[m + s, s] |= FWD
+      forward_mb[m + s, s] = m
+      ops[m + 2 * k - 1 - s, s] |= BWD
+      backward_mb[m + 2 * k - 1 - s, s] = m
+  micro_batch = np.where(ops == BWD, backward_mb, forward_mb)
+  return Schedule('1f1b-fused', ops, micro_batch.astype(np.int32),
+                  backward_micro_batch=np.where(ops == BOTH, backward_mb, -1).astype(np.int32))
+
+
+SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, '1f1b-fused': one_f_one_b_fused}
 
 
 def make(name: str, num_stages: int, num_micro_batches: int) -> Schedule:
@@ -197,12 +251,12 @@ def _op_ticks(schedule: Schedule) -> dict[tuple[int, int, int], int]:
   """``(op, stage, micro_batch) -> tick``, rejecting duplicates."""
   ticks: dict[tuple[int, int, int], int] = {}
   for t, s in zip(*np.nonzero(schedule.ops)):
-    op, m = int(schedule.ops[t, s]), int(schedule.micro_batch[t, s])
-    key = (op, int(s), m)
-    if key in ticks:
-      raise ScheduleError(f'{_OP_NAMES[op]} of micro-batch {m} runs twice on stage {s} '
-                          f'(ticks {ticks[key]} and {t}); each must run exactly once')
-    ticks[key] = int(t)
+    for op, m in schedule.cell(int(t), int(s)):
+      key = (op, int(s), m)
+      if key in ticks:
+        raise ScheduleError(f'{_OP_NAMES[op]} of micro-batch {m} runs twice on stage {s} '
+                            f'(ticks {ticks[key]} and {t}); each must run exactly once')
+      ticks[key] = int(t)
   return ticks
 
 
@@ -217,18 +271,26 @@ def validate(schedule: Schedule, num_micro_batches: int | None = None) -> None:
   if ops.ndim != 2 or ops.shape != mb.shape:
     raise ScheduleError(f'schedule tables must both be [ticks, stages]; got {ops.shape} '
                         f'and {mb.shape}')
-  bad = ~np.isin(ops, (IDLE, FWD, BWD))
+  bad = ~np.isin(ops, (IDLE, FWD, BWD, BOTH))
   if bad.any():
     t, s = np.argwhere(bad)[0]
     raise ScheduleError(f'unknown op {ops[t, s]} at tick {t}, stage {s}; '
-                        f'expected IDLE=0, FWD=1 or BWD=2')
-  if schedule.forward_only and (ops == BWD).any():
+                        f'expected IDLE=0, FWD=1, BWD=2 or BOTH=3')
+  if schedule.forward_only and (ops & BWD).any():
     raise ScheduleError('a forward-only schedule contains BWD ops')
+  if (ops == BOTH).any() and (schedule.backward_micro_batch is None
+                              or schedule.backward_micro_batch.shape != ops.shape):
+    raise ScheduleError('a schedule with BOTH cells needs a [ticks, stages] '
+                        'backward_micro_batch table')
   num_m = num_micro_batches if num_micro_batches is not None else schedule.num_micro_batches
-  if ((ops != IDLE) & ((mb < 0) | (mb >= num_m))).any():
-    t, s = np.argwhere((ops != IDLE) & ((mb < 0) | (mb >= num_m)))[0]
-    raise ScheduleError(f'micro-batch {mb[t, s]} at tick {t}, stage {s} is outside '
-                        f'[0, {num_m})')
+  bwd_mb = schedule.backward_micro_batches
+  for name, cells, table in (('micro-batch', ops != IDLE, mb),
+                             ('BWD micro-batch', ops == BOTH, bwd_mb)):
+    outside = cells & ((table < 0) | (table >= num_m))
+    if outside.any():
+      t, s = np.argwhere(outside)[0]
+      raise ScheduleError(f'{name} {table[t, s]} at tick {t}, stage {s} is outside '
+                          f'[0, {num_m})')
   ticks = _op_ticks(schedule)
   num_stages = schedule.num_stages
   wanted = (FWD,) if schedule.forward_only else (FWD, BWD)
@@ -260,7 +322,9 @@ class Simulation:
 
   Attributes:
     ticks: length of the schedule.
-    bubble_fraction: idle (tick, stage) cells over all cells.
+    bubble_fraction: idle (tick, stage) cells over all cells (a BOTH cell
+      is one busy cell: the unit-time model does not price it;
+      :func:`step_cost` does).
     peak_stash: per stage, the most micro-batches forwarded but not yet
       backwarded at any tick (their stage inputs must be kept).
   """
@@ -278,10 +342,10 @@ def simulate(schedule: Schedule) -> Simulation:
   for s in range(schedule.num_stages):
     live = peak = 0
     for t in range(schedule.num_ticks):
-      if schedule.ops[t, s] == FWD:
+      if schedule.ops[t, s] & FWD:
         live += 1
       peak = max(peak, live)
-      if schedule.ops[t, s] == BWD:
+      if schedule.ops[t, s] & BWD:
         live -= 1
     peaks.append(peak if not schedule.forward_only else 1)
   return Simulation(schedule.num_ticks, 1.0 - busy / cells, tuple(peaks))
@@ -341,9 +405,9 @@ def step_cost(schedule: Schedule, forward: Sequence[float], backward: Sequence[f
   if exchange not in SYNCS:
     raise ScheduleError(f'unknown exchange {exchange!r}; expected one of {SYNCS}')
   costs = np.zeros(schedule.ops.shape)
-  for op, per_stage in ((FWD, forward), (BWD, backward)):
-    where = schedule.ops == op
-    costs[where] = np.broadcast_to(np.asarray(per_stage, float), costs.shape)[where]
+  for op, per_stage in ((FWD, forward), (BWD, backward)):  # a BOTH cell costs both
+    where = (schedule.ops & op) > 0
+    costs[where] += np.broadcast_to(np.asarray(per_stage, float), costs.shape)[where]
   end = np.zeros(k)  # when each stage ended the tick before
   for tick_costs in costs:
     done = end + tick_costs  # when each stage reaches the exchange
@@ -365,15 +429,19 @@ class BufferPlan:
 
   Attributes:
     num_slots: buffer slots per stage.
-    slot: ``[ticks, stages]``: the slot read by the op at (tick, stage).
+    slot: ``[ticks, stages]``: the slot read by the op at (tick, stage) (by
+      the FWD in a BOTH cell).
     recv_activation_slot: ``[ticks, stages]``: the slot that stores the
       activation arriving at the end of the tick, or -1.
     recv_cotangent_slot: ``[ticks, stages]``: likewise for cotangents.
+    backward_slot: ``[ticks, stages]``: the slot read by the cell's BWD (that
+      of ``slot`` where the cell has no FWD).
   """
   num_slots: int
   slot: np.ndarray
   recv_activation_slot: np.ndarray
   recv_cotangent_slot: np.ndarray
+  backward_slot: np.ndarray
 
 
 def buffer_plan(schedule: Schedule) -> BufferPlan:
@@ -401,16 +469,17 @@ def buffer_plan(schedule: Schedule) -> BufferPlan:
       slot_of[(s, m)] = slot
     num_slots = max(num_slots, len(free_at))
   slot = np.zeros((num_t, num_s), np.int32)
+  backward_slot = np.zeros((num_t, num_s), np.int32)
   recv_act = np.full((num_t, num_s), -1, np.int32)
   recv_cot = np.full((num_t, num_s), -1, np.int32)
   for t in range(num_t):
     for s in range(num_s):
-      op, m = schedule.ops[t, s], schedule.micro_batch[t, s]
-      if op == IDLE:
-        continue
-      slot[t, s] = slot_of[(s, m)]
-      if op == FWD and s + 1 < num_s:
-        recv_act[t, s + 1] = slot_of[(s + 1, m)]
-      if op == BWD and s > 0:
-        recv_cot[t, s - 1] = slot_of[(s - 1, m)]
-  return BufferPlan(num_slots, slot, recv_act, recv_cot)
+      for i, (op, m) in enumerate(schedule.cell(t, s)):
+        if i == 0:
+          slot[t, s] = slot_of[(s, m)]
+        backward_slot[t, s] = slot_of[(s, m)]
+        if op == FWD and s + 1 < num_s:
+          recv_act[t, s + 1] = slot_of[(s + 1, m)]
+        if op == BWD and s > 0:
+          recv_cot[t, s - 1] = slot_of[(s - 1, m)]
+  return BufferPlan(num_slots, slot, recv_act, recv_cot, backward_slot)

@@ -86,7 +86,7 @@ def test_unknown_schedule_and_bad_sizes():
     S.gpipe(2, 0)
 
 
-@pytest.mark.parametrize('name', ['gpipe', '1f1b'])
+@pytest.mark.parametrize('name', ['gpipe', '1f1b', '1f1b-fused'])
 @pytest.mark.parametrize('k,m', SIZES)
 def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
   """Replays the table: a slot is never written while its micro-batch is live."""
@@ -95,24 +95,65 @@ def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
   owner = [[None] * plan.num_slots for _ in range(k)]
   for t in range(sched.num_ticks):
     for s in range(k):  # reads happen before the tick's arrivals are stored
-      op, mb = sched.ops[t, s], sched.micro_batch[t, s]
-      if op != S.IDLE and (s > 0 or op == S.BWD):
-        assert owner[s][plan.slot[t, s]] == mb, (t, s)
-      if op == S.BWD:
-        owner[s][plan.slot[t, s]] = None
+      for op, mb in sched.cell(t, s):
+        slot = plan.slot[t, s] if op == S.FWD else plan.backward_slot[t, s]
+        if s > 0 or op == S.BWD:
+          assert owner[s][slot] == mb, (t, s)
+        if op == S.BWD:
+          owner[s][slot] = None
     for s in range(k):
       for table, src, want in ((plan.recv_activation_slot, s - 1, S.FWD),
                                (plan.recv_cotangent_slot, s + 1, S.BWD)):
         slot = table[t, s]
         if slot >= 0:
-          assert sched.ops[t, src] == want
-          mb = sched.micro_batch[t, src]
-          assert owner[s][slot] in (None, mb), (t, s, slot)
-          owner[s][slot] = mb
-      if s == 0 and sched.ops[t, 0] == S.FWD:
+          sent = dict(sched.cell(t, src))
+          assert want in sent
+          assert owner[s][slot] in (None, sent[want]), (t, s, slot)
+          owner[s][slot] = sent[want]
+      first = dict(sched.cell(t, 0))
+      if s == 0 and S.FWD in first:
         assert owner[0][plan.slot[t, 0]] is None
-        owner[0][plan.slot[t, 0]] = sched.micro_batch[t, 0]
-  assert plan.num_slots <= (m if name == 'gpipe' else min(m, k) + 1)
+        owner[0][plan.slot[t, 0]] = first[S.FWD]
+  bound = {'gpipe': m, '1f1b': min(m, k) + 1, '1f1b-fused': min(m, 2 * k)}[name]
+  assert plan.num_slots <= bound
+
+
+def test_fused_1f1b_runs_a_forward_and_a_backward_a_tick():
+  """K = 3, M = 4 written out by hand: stage s forwards m at tick m + s and
+  backwards it at m + 5 - s; M + 2K - 1 = 9 ticks against 1F1B's 12."""
+  sched = S.one_f_one_b_fused(3, 4)
+  assert sched.render() == (
+      'stage 0: F0   F1   F2   F3    .   B0   B1   B2   B3   \n'
+      'stage 1:  .   F0   F1   F2   F3B0 B1   B2   B3    .   \n'
+      'stage 2:  .    .   F0   F1B0 F2B1 F3B2 B3    .    .   ')
+  assert sched.num_ticks == 9 and S.one_f_one_b(3, 4).num_ticks == 12
+  assert sched.cell(4, 1) == [(S.FWD, 3), (S.BWD, 0)] and sched.cell(0, 2) == []
+  # Stage s keeps at most 2(K - s) inputs: more than 1F1B's K - s, fewer than
+  # GPipe's M once M > 2K.
+  assert S.simulate(sched).peak_stash == (4, 4, 2)
+  assert S.simulate(S.one_f_one_b_fused(3, 12)).peak_stash == (6, 4, 2)
+  # With equal stages and either exchange it takes GPipe's time, not 1F1B's.
+  for k, m in SIZES:
+    for exchange in S.SYNCS:
+      fused = S.step_cost(S.one_f_one_b_fused(k, m), [1.0] * k, [2.5] * k, exchange)
+      gpipe = S.step_cost(S.gpipe(k, m), [1.0] * k, [2.5] * k, exchange)
+      assert fused.time <= gpipe.time + 1e-9, (k, m, exchange)
+
+
+def test_validator_checks_both_cells():
+  sched = S.one_f_one_b_fused(2, 2)
+  S.validate(sched)
+  no_table = S.Schedule('x', sched.ops, sched.micro_batch)
+  with pytest.raises(S.ScheduleError, match='BOTH cells needs a'):
+    S.validate(no_table)
+  bad = sched.backward_micro_batch.copy()
+  bad[sched.ops == S.BOTH] = 5
+  with pytest.raises(S.ScheduleError, match=r'BWD micro-batch 5 at tick 2, stage 1 is outside'):
+    S.validate(S.Schedule('x', sched.ops, sched.micro_batch, backward_micro_batch=bad))
+  early = sched.backward_micro_batch.copy()
+  early[2, 1] = 1  # B1 on stage 1 before stage 1's F1 has run... and twice
+  with pytest.raises(S.ScheduleError, match='BWD of micro-batch 1 runs twice on stage 1'):
+    S.validate(S.Schedule('x', sched.ops, sched.micro_batch, backward_micro_batch=early))
 
 
 def test_render_draws_the_table():
@@ -174,7 +215,7 @@ def test_step_cost_all_gather_with_equal_stages_matches_the_closed_forms(k, m):
 
 
 @pytest.mark.parametrize('k,m', SIZES)
-@pytest.mark.parametrize('name', ['gpipe', '1f1b'])
+@pytest.mark.parametrize('name', ['gpipe', '1f1b', '1f1b-fused'])
 def test_step_cost_ppermute_never_waits_longer(name, k, m):
   """Waiting for the neighbours only: never later than for every stage, the
   same with at most two stages, and never shorter than the busiest stage."""
