@@ -13,6 +13,7 @@ The executor runs any valid :class:`pipejax.schedule.Schedule` over a
     BWD (loss, then backward), so a pipeline of length 1 costs what plain
     data parallelism costs;
   - ``IDLE``: nothing (a bubble);
+  - ``BOTH`` (fused tables): a FWD of one micro-batch, then a BWD of another;
 * two ``ppermute``\\ s per tick move activations forward and cotangents back
   (on CPU devices one ``all_gather`` carries both: see :data:`EXCHANGES`);
   arrivals land in the buffer slots chosen by :func:`pipejax.schedule.buffer_plan`;
@@ -246,6 +247,11 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     ops = jnp.asarray(sched.ops, jnp.int32)
     mbs = jnp.asarray(np.maximum(sched.micro_batch, 0), jnp.int32)
     slots = jnp.asarray(buffers.slot)
+    # A fused table's tick may run a FWD and a BWD: then the BWD's own
+    # micro-batch and slot (see schedule.one_f_one_b_fused).
+    fused = sched.fused
+    backward_mbs = jnp.asarray(np.maximum(sched.backward_micro_batches, 0), jnp.int32)
+    backward_slots = jnp.asarray(buffers.backward_slot)
     recv_act = jnp.asarray(buffers.recv_activation_slot)
     recv_cot = jnp.asarray(buffers.recv_cotangent_slot)
     inv_m = 1.0 / num_micro
@@ -263,7 +269,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
       def idle():
         return act_fill, act_fill, grads, loss_sum, metric_sum
 
-      def forward():
+      def forward(m=m, slot=slot):
         def run():
           out, (loss, metrics) = stage_fn(params, stage_input(act_buf, slot), m)
           if training:  # loss is taken in BWD, where the last stage fuses FWD.
@@ -276,7 +282,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
           return idle()
         return lax.cond(is_last, idle, run)
 
-      def backward():
+      def backward(m=m, slot=slot):
         x = stage_input(act_buf, slot)
         cot_out = jnp.where(is_last, act_zero, cot_buf[slot])
         (_, (loss, metrics)), vjp = jax.vjp(lambda p, x: stage_fn(p, x, m), params, x)
@@ -285,9 +291,21 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
         return (act_fill, g_x, jax.tree.map(jnp.add, grads, g_params), loss_sum + loss,
                 jax.tree.map(jnp.add, metric_sum, metrics))
 
-      branches = [idle, forward, backward] if training else [idle, forward, idle]
-      send_act, send_cot, grads, loss_sum, metric_sum = (
-          branches[op]() if single else lax.switch(op, branches))
+      if fused:  # a FWD, then a BWD of another micro-batch, each where the cell has one
+        bm, bslot = backward_mbs[t, stage], backward_slots[t, stage]
+        if single:
+          send_act = forward()[0] if op & schedule_lib.FWD else act_fill
+          send_cot, grads, loss_sum, metric_sum = (
+              backward(bm, bslot)[1:] if op & schedule_lib.BWD else idle()[1:])
+        else:
+          send_act = lax.cond((op & schedule_lib.FWD) > 0, lambda: forward()[0],
+                              lambda: act_fill)
+          send_cot, grads, loss_sum, metric_sum = lax.cond(
+              (op & schedule_lib.BWD) > 0, lambda: backward(bm, bslot)[1:], lambda: idle()[1:])
+      else:
+        branches = [idle, forward, backward] if training else [idle, forward, idle]
+        send_act, send_cot, grads, loss_sum, metric_sum = (
+            branches[op]() if single else lax.switch(op, branches))
       if num_stages > 1 and training and exchange == 'all_gather':
         # Both messages in one collective: every stage gathers what all sent
         # and keeps the activation of the stage before and the cotangent of

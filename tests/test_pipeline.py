@@ -30,6 +30,11 @@ CASES = [
     ('bert-regression', 4, '1f1b', (3, 2, 2, 3)),  # STS-B's one-output MSE head
     ('bert-question_answering', 4, 'gpipe', (1, 2, 4, 3)),
     ('bert-question_answering', 8, '1f1b', (2, 1, 1, 1, 1, 2, 1, 1)),
+    # A forward and a backward in one tick (schedule.one_f_one_b_fused).
+    ('vit', 1, '1f1b-fused', None),
+    ('vit', 4, '1f1b-fused', (4, 1, 3, 2)),
+    ('vit', 8, '1f1b-fused', (1,) * 8),
+    ('bert-classification', 2, '1f1b-fused', (5, 5)),
 ]
 
 
@@ -297,6 +302,7 @@ def test_freeze_event_at_the_same_length_reuses_the_program_exactly():
     ('vit', 4, '1f1b', (4, 1, 3, 2)),
     ('vit', 2, 'gpipe', (1, 9)),
     ('bert-question_answering', 8, '1f1b', (2, 1, 1, 1, 1, 2, 1, 1)),
+    ('vit', 4, '1f1b-fused', (4, 1, 3, 2)),
 ])
 def test_both_exchanges_give_the_same_step_bit_for_bit(kind, k, schedule, sizes):
   """One all-gather per tick (CPU's default) delivers exactly what the two
@@ -339,6 +345,7 @@ SPLIT_CASES = [
     # Stage 3 runs only mlp.1's first half; stage 4 its second half, then attn.2.
     ('vit', 8, '1f1b', (1, 2, 1, 1, 1, 1, 2, 1), (1, 3, 5)),
     ('bert-question_answering', 8, 'gpipe', (1, 2, 1, 1, 1, 1, 2, 1), (1, 3, 5)),
+    ('vit', 8, '1f1b-fused', (1, 2, 1, 1, 1, 1, 2, 1), (1, 3, 5)),
 ]
 
 
