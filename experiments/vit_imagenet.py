@@ -56,7 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eval_batch_size = 0  # 0: 4 x the starting global batch (forward only)
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.initial_length = 8
-  c.pipeline.schedule = '1f1b'
+  c.pipeline.schedule = '1f1b'  # 'gpipe', or '1f1b-fused' (a forward and a backward a tick)
   c.pipeline.exchange = 'auto'  # a tick's messages: 'ppermute' or 'all_gather' (auto: by platform)
   c.pipeline.micro_batches = 0  # 0: profile M in {K, ..., 6K} once per K
   c.pipeline.profile_path = '~/.cache/pipejax/micro_batches.json'
