@@ -118,7 +118,7 @@ def main(argv=None) -> int:
   rows = []
   print(f'ViT L={args.layers} d={args.hidden} tokens={(args.image_size // args.patch_size) ** 2 + 1}'
         f' batch={args.batch} on {n} {devices[0].platform} devices', flush=True)
-  header = f'{"K":>3} {"R":>3} {"M":>3} {"schedule":>8} {"step s":>9} {"plain s":>9} {"ratio":>7} {"bubble":>7}'
+  header = f'{"K":>3} {"R":>3} {"M":>3} {"schedule":>10} {"step s":>9} {"plain s":>9} {"ratio":>7} {"bubble":>7}'
   print(header)
   for k in args.lengths:
     if n % k:
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                    ratio_to_plain_dp=step_s / plain_s, bubble_fraction=bubble,
                    first_call_seconds=compile_s, stage_sizes=list(partition.stage_sizes))
         rows.append(row)
-        print(f'{k:>3} {r:>3} {m:>3} {name:>8} {step_s:>9.4f} {plain_s:>9.4f} '
+        print(f'{k:>3} {r:>3} {m:>3} {name:>10} {step_s:>9.4f} {plain_s:>9.4f} '
               f'{row["ratio_to_plain_dp"]:>7.3f} {bubble:>7.3f}', flush=True)
   if not rows:
     print('error: no row could run: see the lines above', file=sys.stderr)

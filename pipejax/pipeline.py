@@ -58,7 +58,8 @@ class Plan:
     partition: the stages and what each runs (its length is K).
     replicas: R, pipeline replicas (the mesh is ``(R, K)``).
     micro_batches: M, micro-batches per replica per step.
-    schedule: name of the training schedule (``'gpipe'`` or ``'1f1b'``).
+    schedule: name of the training schedule (``'gpipe'``, ``'1f1b'`` or
+      ``'1f1b-fused'``: :data:`pipejax.schedule.SCHEDULES`).
   """
   partition: Partition
   replicas: int
@@ -250,7 +251,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     # A fused table's tick may run a FWD and a BWD: then the BWD's own
     # micro-batch and slot (see schedule.one_f_one_b_fused).
     fused = sched.fused
-    backward_mbs = jnp.asarray(np.maximum(sched.backward_micro_batches, 0), jnp.int32)
+    backward_mbs = jnp.asarray(np.maximum(sched.micro_batch_of_backward(), 0), jnp.int32)
     backward_slots = jnp.asarray(buffers.backward_slot)
     recv_act = jnp.asarray(buffers.recv_activation_slot)
     recv_cot = jnp.asarray(buffers.recv_cotangent_slot)

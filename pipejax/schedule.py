@@ -47,8 +47,9 @@ class Schedule:
     micro_batch: ``[ticks, stages]`` int32, the micro-batch of each op (-1 when
       idle; of the FWD in a BOTH cell).
     forward_only: True for inference schedules (no BWD at all).
-    backward_micro_batch: ``[ticks, stages]`` int32, the BWD's micro-batch in
-      BOTH cells (-1 elsewhere); None in tables without BOTH cells.
+    backward_micro_batch: ``[ticks, stages]`` int32, the micro-batch of each
+      cell's BWD (-1 in cells without one; it overrides ``micro_batch`` in
+      BWD cells); needed by tables with BOTH cells, None elsewhere.
   """
 
   name: str
@@ -78,17 +79,17 @@ class Schedule:
     """The ``(op, micro_batch)`` run at ``(tick, stage)``: none, one, or a
     FWD and a BWD."""
     op, m = int(self.ops[tick, stage]), int(self.micro_batch[tick, stage])
-    if op == BOTH:
-      return [(FWD, m), (BWD, int(self.backward_micro_batch[tick, stage]))]
-    return [] if op == IDLE else [(op, m)]
+    out = [(FWD, m)] if op & FWD else []
+    if op & BWD:
+      out.append((BWD, m if self.backward_micro_batch is None
+                  else int(self.backward_micro_batch[tick, stage])))
+    return out
 
-  @property
-  def backward_micro_batches(self) -> np.ndarray:
+  def micro_batch_of_backward(self) -> np.ndarray:
     """``[ticks, stages]``: the micro-batch of each cell's BWD (-1 without)."""
-    out = np.where(self.ops == BWD, self.micro_batch, -1)
     if self.backward_micro_batch is not None:
-      out = np.where(self.ops == BOTH, self.backward_micro_batch, out)
-    return out.astype(np.int32)
+      return np.where((self.ops & BWD) > 0, self.backward_micro_batch, -1).astype(np.int32)
+    return np.where(self.ops == BWD, self.micro_batch, -1).astype(np.int32)
 
   @functools.cached_property
   def key(self) -> tuple:
@@ -214,12 +215,13 @@ def forward_only(num_stages: int, num_micro_batches: int) -> Schedule:
 def one_f_one_b_fused(num_stages: int, num_micro_batches: int) -> Schedule:
   """1F1B with a forward and a backward in one tick: stage s forwards
   micro-batch m at tick ``m + s`` and backwards it at tick ``m + 2K − 1 − s``,
-  the earliest its cotangent allows, so that from tick K on a stage's tick
-  holds a FWD and a BWD. ``M + 2K − 1`` ticks (1F1B: ``2(M + K − 1)``), and a
-  stage keeps at most ``2(K − s)`` inputs (1F1B: ``K − s``; GPipe: M). Every
-  tick ends in an exchange (:mod:`pipejax.pipeline`), so with 1F1B a stage
-  that forwards waits for its neighbour's backward; here both run in the
-  tick (:func:`step_cost`)."""
+  the earliest its cotangent allows; from tick ``2K − 1 − s`` to ``M − 1 + s``
+  (when ``M ≥ 2(K − s)``) its ticks hold a FWD and a BWD. ``M + 2K − 1`` ticks
+  (1F1B: ``2(M + K − 1)``), and a stage keeps at most ``2(K − s)``
+  micro-batches live (1F1B: ``K − s``; GPipe: M). Every tick ends in an
+  exchange (:mod:`pipejax.pipeline`), so with 1F1B a stage that forwards
+  waits for its neighbour's backward; here both run in the tick
+  (:func:`step_cost`)."""
   _check_sizes(num_stages, num_micro_batches)
   k, m_count = num_stages, num_micro_batches
   ticks = m_count + 2 * k - 1
@@ -234,7 +236,7 @@ def one_f_one_b_fused(num_stages: int, num_micro_batches: int) -> Schedule:
       backward_mb[m + 2 * k - 1 - s, s] = m
   micro_batch = np.where(ops == BWD, backward_mb, forward_mb)
   return Schedule('1f1b-fused', ops, micro_batch.astype(np.int32),
-                  backward_micro_batch=np.where(ops == BOTH, backward_mb, -1).astype(np.int32))
+                  backward_micro_batch=backward_mb)
 
 
 SCHEDULES = {'gpipe': gpipe, '1f1b': one_f_one_b, '1f1b-fused': one_f_one_b_fused}
@@ -283,9 +285,9 @@ def validate(schedule: Schedule, num_micro_batches: int | None = None) -> None:
     raise ScheduleError('a schedule with BOTH cells needs a [ticks, stages] '
                         'backward_micro_batch table')
   num_m = num_micro_batches if num_micro_batches is not None else schedule.num_micro_batches
-  bwd_mb = schedule.backward_micro_batches
+  bwd_mb = schedule.micro_batch_of_backward()
   for name, cells, table in (('micro-batch', ops != IDLE, mb),
-                             ('BWD micro-batch', ops == BOTH, bwd_mb)):
+                             ('BWD micro-batch', (ops & BWD) > 0, bwd_mb)):
     outside = cells & ((table < 0) | (table >= num_m))
     if outside.any():
       t, s = np.argwhere(outside)[0]
@@ -434,8 +436,8 @@ class BufferPlan:
     recv_activation_slot: ``[ticks, stages]``: the slot that stores the
       activation arriving at the end of the tick, or -1.
     recv_cotangent_slot: ``[ticks, stages]``: likewise for cotangents.
-    backward_slot: ``[ticks, stages]``: the slot read by the cell's BWD (that
-      of ``slot`` where the cell has no FWD).
+    backward_slot: ``[ticks, stages]``: the slot read by the cell's BWD; equal
+      to ``slot`` except in BOTH cells (0 when idle, as ``slot``).
   """
   num_slots: int
   slot: np.ndarray

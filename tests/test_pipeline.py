@@ -8,6 +8,7 @@ import pytest
 
 from pipejax import partition as part
 from pipejax import pipeline
+from pipejax import schedule as schedule_lib
 from tests import fixtures
 
 NAN = float('nan')
@@ -99,6 +100,32 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
     assert g.shape == p.shape
   assert grads['attention'][next(iter(grads['attention']))]  # non-empty tree
   assert pipe.trace_count == 1
+
+
+@pytest.mark.parametrize('kind,k,sizes,micro', [
+    ('vit', 2, None, 4),
+    ('vit', 4, (4, 1, 3, 2), 8),
+    ('bert-classification', 8, (1,) * 8, 16),
+])
+def test_fused_1f1b_with_both_ops_in_a_tick_equals_sequential(kind, k, sizes, micro):
+  """M ≥ 2K: the first stages too run a real FWD and a BWD in one tick (with
+  M = 2 only the last stage does, whose FWD is empty). NaN bubbles."""
+  sched = schedule_lib.make('1f1b-fused', k, micro)
+  assert (sched.ops[:, 0] == schedule_lib.BOTH).any()
+  created, partition = _case(kind, k, sizes)
+  model, params = created.model, created.params
+  batch = fixtures.batch(kind, model, (8 // k) * micro, seed=k)
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  stage_params = part.to_stage_params(params, partition)
+  loss, metrics, grads = pipe.grad_fn(pipeline.Plan(partition, 8 // k, micro, '1f1b-fused'),
+                                      stage_params, train=False)(
+      stage_params, batch, jax.random.PRNGKey(0))
+  (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
+      lambda p: model.loss(p, batch), has_aux=True)(params)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert float(metrics['count']) == len(batch['labels'])
+  assert float(metrics['correct']) == float(ref_metrics['correct'])
+  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
 
 
 def test_padded_slots_are_skipped_and_get_exactly_zero_grad():

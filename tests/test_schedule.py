@@ -114,7 +114,7 @@ def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
       if s == 0 and S.FWD in first:
         assert owner[0][plan.slot[t, 0]] is None
         owner[0][plan.slot[t, 0]] = first[S.FWD]
-  bound = {'gpipe': m, '1f1b': min(m, k) + 1, '1f1b-fused': min(m, 2 * k)}[name]
+  bound = {'gpipe': m, '1f1b': min(m, k) + 1, '1f1b-fused': min(m, 2 * k - 1)}[name]
   assert plan.num_slots <= bound
 
 
@@ -151,7 +151,7 @@ def test_validator_checks_both_cells():
   with pytest.raises(S.ScheduleError, match=r'BWD micro-batch 5 at tick 2, stage 1 is outside'):
     S.validate(S.Schedule('x', sched.ops, sched.micro_batch, backward_micro_batch=bad))
   early = sched.backward_micro_batch.copy()
-  early[2, 1] = 1  # B1 on stage 1 before stage 1's F1 has run... and twice
+  early[2, 1] = 1  # cell (2, 1) becomes F1B1: B1 now runs twice on stage 1
   with pytest.raises(S.ScheduleError, match='BWD of micro-batch 1 runs twice on stage 1'):
     S.validate(S.Schedule('x', sched.ops, sched.micro_batch, backward_micro_batch=early))
 
