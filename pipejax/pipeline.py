@@ -360,7 +360,8 @@ def _store(buf: jax.Array, value: jax.Array, slot: jax.Array) -> jax.Array:
 #: cotangents back), each carrying only what its receiver needs; or
 #: ``'all_gather'``, one collective in which every stage gathers both messages
 #: of every stage (K times the bytes) and keeps its neighbours'.
-EXCHANGES = ('ppermute', 'all_gather')
+#: (:func:`pipejax.schedule.step_cost` prices a schedule under each.)
+EXCHANGES = schedule_lib.EXCHANGES
 
 
 def default_exchange(devices) -> str:

@@ -369,11 +369,12 @@ class StepCost:
   utilization: float
 
 
-#: How :func:`step_cost` lets a tick end (the executor's exchanges,
-#: :data:`pipejax.pipeline.EXCHANGES`): ``'all_gather'``, when every stage
-#: has done its op (one collective of all stages); ``'ppermute'``, when the
-#: stage and its two neighbours have (point-to-point sends and receives).
-SYNCS = ('all_gather', 'ppermute')
+#: The executor's exchanges (:data:`pipejax.pipeline.EXCHANGES` is this
+#: tuple), and so how :func:`step_cost` lets a tick end: ``'ppermute'``, when
+#: the stage and its two neighbours have done their ops (point-to-point sends
+#: and receives); ``'all_gather'``, when every stage has (one collective of
+#: all stages).
+EXCHANGES = ('ppermute', 'all_gather')
 
 
 def step_cost(schedule: Schedule, forward: Sequence[float], backward: Sequence[float],
@@ -393,7 +394,7 @@ def step_cost(schedule: Schedule, forward: Sequence[float], backward: Sequence[f
       the forward into the backward, as on its last stage).
     backward: per stage, what one BWD costs there (recomputed forward and
       backward together, as the executor runs it).
-    exchange: one of :data:`SYNCS`.
+    exchange: one of :data:`EXCHANGES`.
 
   Raises:
     ScheduleError: an invalid table, not one cost per stage, or an unknown
@@ -404,8 +405,8 @@ def step_cost(schedule: Schedule, forward: Sequence[float], backward: Sequence[f
   if len(forward) != k or len(backward) != k:
     raise ScheduleError(f'need one forward and one backward cost per stage ({k}); got '
                         f'{len(forward)} and {len(backward)}')
-  if exchange not in SYNCS:
-    raise ScheduleError(f'unknown exchange {exchange!r}; expected one of {SYNCS}')
+  if exchange not in EXCHANGES:
+    raise ScheduleError(f'unknown exchange {exchange!r}; expected one of {EXCHANGES}')
   costs = np.zeros(schedule.ops.shape)
   for op, per_stage in ((FWD, forward), (BWD, backward)):  # a BOTH cell costs both
     where = (schedule.ops & op) > 0

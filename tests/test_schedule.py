@@ -134,7 +134,7 @@ def test_fused_1f1b_runs_a_forward_and_a_backward_a_tick():
   assert S.simulate(S.one_f_one_b_fused(3, 12)).peak_stash == (6, 4, 2)
   # With equal stages and either exchange it takes GPipe's time, not 1F1B's.
   for k, m in SIZES:
-    for exchange in S.SYNCS:
+    for exchange in S.EXCHANGES:
       fused = S.step_cost(S.one_f_one_b_fused(k, m), [1.0] * k, [2.5] * k, exchange)
       gpipe = S.step_cost(S.gpipe(k, m), [1.0] * k, [2.5] * k, exchange)
       assert fused.time <= gpipe.time + 1e-9, (k, m, exchange)
@@ -170,7 +170,7 @@ def test_step_cost_of_the_hand_written_table():
   # backward [3, 2]; per tick of _by_hand_1f1b_k2_m3, the slowest op:
   # F0 | .    -> 1     F1 | F0  -> 1     . | B0  -> 2     B0 | F1 -> 3
   # F2 | B1   -> 2     B1 | F2  -> 3     . | B2  -> 2     B2 | .  -> 3
-  for exchange in S.SYNCS:  # two stages: each is the other's neighbour
+  for exchange in S.EXCHANGES:  # two stages: each is the other's neighbour
     cost = S.step_cost(S.one_f_one_b(2, 3), forward=[1, 0], backward=[3, 2],
                        exchange=exchange)
     assert cost.time == 17
@@ -237,5 +237,5 @@ def test_step_cost_refuses_wrong_cost_lists_and_exchanges():
                                             r'\(2\); got 1 and 2'):
     S.step_cost(S.gpipe(2, 2), [1.0], [1.0, 1.0])
   with pytest.raises(S.ScheduleError, match=r"unknown exchange 'nccl'; expected one of "
-                                            r"\('all_gather', 'ppermute'\)"):
+                                            r"\('ppermute', 'all_gather'\)"):
     S.step_cost(S.gpipe(2, 2), [1.0, 1.0], [1.0, 1.0], exchange='nccl')
