@@ -358,16 +358,16 @@ def stage_kinds(partition) -> list[tuple[str, ...]]:
   return out
 
 
-def modeled_step(plan, flops, batch_size: int, prefix_cached: bool = False,
-                 exchange: str = 'ppermute') -> tuple[float, schedule.StepCost]:
+def modeled_step(plan, flops, batch_size: int,
+                 exchange: str = 'ppermute') -> tuple[schedule.StepCost, float]:
   """One train step of ``plan`` on ideal devices (the module docstring's
-  model): its length in FLOPs, and the pipelined part's
-  :func:`pipejax.schedule.step_cost` with ``exchange``. Each stage's FWD costs
-  ``flops.forward`` of its units (none on the last stage, which fuses it into
-  its BWD), its BWD ``flops.backward``, for ``batch_size / (R · M)`` samples
-  (``flops``: a :class:`StageFlops`). Unless ``prefix_cached``, the step
-  adds the frozen prefix's forward of ``batch_size`` samples over the plan's
-  ``R · K`` devices."""
+  model), in FLOPs: the pipelined part's :func:`pipejax.schedule.step_cost`
+  with ``exchange``, and the frozen prefix's forward when it is computed
+  (the step's length is their sum; 0 when nothing is frozen). Each stage's
+  FWD costs ``flops.forward`` of its units (none on the last stage, which
+  fuses it into its BWD), its BWD ``flops.backward``, for
+  ``batch_size / (R · M)`` samples (``flops``: a :class:`StageFlops`); the
+  prefix runs ``batch_size`` samples over the plan's ``R · K`` devices."""
   part = plan.partition
   k, samples = part.pipeline_length, batch_size / (plan.replicas * plan.micro_batches)
   kinds = stage_kinds(part)
@@ -376,10 +376,10 @@ def modeled_step(plan, flops, batch_size: int, prefix_cached: bool = False,
   cost = schedule.step_cost(schedule.make(plan.schedule, k, plan.micro_batches), forward,
                             backward, exchange)
   f, prefix = part.num_frozen_layers, 0.0
-  if f and not prefix_cached:
+  if f:
     prefix = (flops.forward(('embed',) + ('attention', 'mlp') * f)
               * batch_size / plan.num_devices)
-  return cost.time + prefix, cost
+  return cost, prefix
 
 
 def model_figures(plans: dict, flops, frozen: list[int], exchange: str = 'ppermute') -> dict:
@@ -390,14 +390,12 @@ def model_figures(plans: dict, flops, frozen: list[int], exchange: str = 'ppermu
   (not empty) the predicted train-time ratios."""
   if 0 not in plans or not frozen:
     raise ValueError('the model needs the baseline (depth 0) and at least one epoch')
-  computed = {f: modeled_step(p, flops, b, exchange=exchange) for f, (p, b) in plans.items()}
-  cached = {f: modeled_step(p, flops, b, prefix_cached=True, exchange=exchange)[0]
-            for f, (p, b) in plans.items()}
-  base = computed[0][0]
-  ratio = {f: t / base for f, (t, _) in computed.items()}
-  ratio_cached = {f: t / base for f, t in cached.items()}
-  return {'exchange': exchange, 'ratio': ratio, 'ratio_cached': ratio_cached,
-          'utilization': {f: c.utilization for f, (_, c) in computed.items()},
+  steps = {f: modeled_step(p, flops, b, exchange) for f, (p, b) in plans.items()}
+  base = steps[0][0].time  # the baseline freezes nothing: no prefix
+  ratio = {f: (c.time + prefix) / base for f, (c, prefix) in steps.items()}
+  ratio_cached = {f: c.time / base for f, (c, _) in steps.items()}
+  return {'ratio': ratio, 'ratio_cached': ratio_cached,
+          'utilization': {f: c.utilization for f, (c, _) in steps.items()},
           'predicted': sum(ratio[f] for f in frozen) / len(frozen),
           'predicted_cached': sum(ratio_cached[f] for f in frozen) / len(frozen)}
 

@@ -125,8 +125,8 @@ def test_modeled_step_by_hand():
   base = _plan(2, 0, (3, 3), 2, 2, '1f1b')
   assert bench_plans.stage_kinds(base.partition) == [('embed', 'attention', 'mlp'),
                                                      ('attention', 'mlp', 'head')]
-  time, cost = bench_plans.modeled_step(base, flops, 16)
-  assert time == cost.time == 124 + 124 + 356 + 328 + 356 + 328
+  cost, prefix = bench_plans.modeled_step(base, flops, 16)
+  assert (cost.time, prefix) == (124 + 124 + 356 + 328 + 356 + 328, 0)
   assert cost.work == 2 * (124 + 328) + 2 * (0 + 356)
   assert cost.utilization == pytest.approx(0.5)
   # L = 3, 1 block frozen, GPipe, K = 2, MLP 1 split: stage 0 = attention 1,
@@ -139,10 +139,10 @@ def test_modeled_step_by_hand():
   frozen = _plan(3, 1, (2, 3), 2, 2, 'gpipe', split=(0,))
   assert bench_plans.stage_kinds(frozen.partition) == [
       ('attention', 'mlp_in'), ('mlp_out', 'attention', 'mlp', 'head')]
-  assert bench_plans.modeled_step(frozen, flops, 16, prefix_cached=True)[0] == (
-      88 + 88 + 0 + 424 + 424 + 252)
-  time, cost = bench_plans.modeled_step(frozen, flops, 16, exchange='all_gather')
-  assert (time, cost.time) == (1276 + 31 * 16 / 4, 1276)
+  cost, prefix = bench_plans.modeled_step(frozen, flops, 16)
+  assert (cost.time, prefix) == (88 + 88 + 0 + 424 + 424 + 252, 31 * 16 / 4)
+  cost, prefix = bench_plans.modeled_step(frozen, flops, 16, exchange='all_gather')
+  assert (cost.time, prefix) == (1276, 31 * 16 / 4)
   # The run: depths 0, 1, 1.
   figures = bench_plans.model_figures({0: (base, 16), 1: (frozen, 16)}, flops, [0, 1, 1])
   assert figures['ratio'] == pytest.approx({0: 1.0, 1: 1400 / 1616})
