@@ -154,6 +154,39 @@ def test_modeled_step_by_hand():
     bench_plans.model_figures({1: (frozen, 16)}, flops, [1])
 
 
+def test_model_figures_follow_the_exchange():
+  """Three stages, where the exchanges differ (with two they agree), priced
+  tick by tick by hand: GPipe, M = 2, 4 samples a micro-batch, R = 1. Under
+  ``all_gather`` a tick lasts its slowest op; under ``ppermute`` a stage ends
+  tick t at max(its own, its neighbours' ends of tick t − 1) + its op."""
+  flops = _MadeUpFlops()
+  # L = 3, nothing frozen: stages embed+block 0, block 1, block 2+head.
+  # FWD 124, 120, 0; BWD 328, 320, 356. The table (F, B, .):
+  #   stage 0: F0 F1 .  .  .  .  B1 B0
+  #   stage 1: .  F0 F1 .  .  B1 B0 .
+  #   stage 2: .  .  F0 F1 B1 B0 .  .
+  # all_gather: 124 124 120 0 356 356 328 328 = 1736. ppermute, each stage's
+  # ends per tick: stage 0 124 248 248 368 368 368 1372 1728; stage 1 0 244
+  # 368 368 368 1044 1400 1400; stage 2 0 0 244 368 724 1080 1080 1400.
+  base = _plan(3, 0, (3, 2, 3), 1, 2, 'gpipe')
+  # 1 block frozen: stages block 1, attention 2, MLP 2+head. FWD 120, 40, 0;
+  # BWD 320, 120, 236. all_gather: 120 120 40 0 236 236 320 320 = 1392.
+  # ppermute: stage 0 ends 120 240 240 280 280 280 956 1276. The prefix
+  # (embed and block 0, 31 a sample): 8 samples over 3 devices.
+  frozen = _plan(3, 1, (2, 1, 2), 1, 2, 'gpipe')
+  assert bench_plans.stage_kinds(frozen.partition) == [('attention', 'mlp'), ('attention',),
+                                                       ('mlp', 'head')]
+  plans, prefix = {0: (base, 8), 1: (frozen, 8)}, 31 * 8 / 3
+  work = {0: 2 * (124 + 328 + 120 + 320 + 356), 1: 2 * (120 + 320 + 40 + 120 + 236)}
+  for exchange, times in (('ppermute', {0: 1728, 1: 1276}),
+                          ('all_gather', {0: 1736, 1: 1392})):
+    figures = bench_plans.model_figures(plans, flops, [0, 1], exchange)
+    assert figures['ratio'] == pytest.approx({0: 1.0, 1: (times[1] + prefix) / times[0]})
+    assert figures['ratio_cached'] == pytest.approx({0: 1.0, 1: times[1] / times[0]})
+    assert figures['utilization'] == pytest.approx({f: work[f] / (3 * times[f]) for f in (0, 1)})
+    assert figures['predicted_cached'] == pytest.approx((1 + times[1] / times[0]) / 2)
+
+
 @pytest.mark.parametrize('kind,tokens,mlp_backward', [('vit', 5, 2.5),
                                                       ('bert-classification', 8, 3.0)])
 def test_stage_flops_count_the_dense_layers(kind, tokens, mlp_backward):
