@@ -31,7 +31,8 @@ def _parse(argv):
   p.add_argument('--patch-size', type=int, default=4)
   p.add_argument('--batch', type=int, default=128, help='global batch size')
   p.add_argument('--lengths', default='1,2,4,8', help='pipeline lengths K to measure')
-  p.add_argument('--schedules', default='gpipe,1f1b')
+  p.add_argument('--schedules', default=','.join(schedule.SCHEDULES),
+                 help='comma-separated schedules to measure (default: %(default)s)')
   p.add_argument('--micro-batches', default='1,2',
                  help='M as multiples of K (K=1 uses M=1 as well)')
   p.add_argument('--repeats', type=int, default=7, help='timed steps per row (median)')
