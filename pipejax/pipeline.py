@@ -249,8 +249,9 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     mbs = jnp.asarray(np.maximum(sched.micro_batch, 0), jnp.int32)
     slots = jnp.asarray(buffers.slot)
     # A fused table's tick may run a FWD and a BWD: then the BWD's own
-    # micro-batch and slot (see schedule.one_f_one_b_fused).
-    fused = sched.fused
+    # micro-batch and slot (see schedule.one_f_one_b_fused). Any table with
+    # backward_micro_batch gives a BWD its own, fused or not.
+    fused, own_backward = sched.fused, sched.backward_micro_batch is not None
     backward_mbs = jnp.asarray(np.maximum(sched.micro_batch_of_backward(), 0), jnp.int32)
     backward_slots = jnp.asarray(buffers.backward_slot)
     recv_act = jnp.asarray(buffers.recv_activation_slot)
@@ -266,6 +267,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
       # With one stage the table is known per tick: no switch needed.
       op = int(sched.ops[t, 0]) if single else ops[t, stage]
       m, slot = mbs[t, stage], slots[t, stage]
+      bm, bslot = (backward_mbs[t, stage], backward_slots[t, stage]) if own_backward else (m, slot)
 
       def idle():
         return act_fill, act_fill, grads, loss_sum, metric_sum
@@ -293,7 +295,6 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                 jax.tree.map(jnp.add, metric_sum, metrics))
 
       if fused:  # a FWD, then a BWD of another micro-batch, each where the cell has one
-        bm, bslot = backward_mbs[t, stage], backward_slots[t, stage]
         if single:
           send_act = forward()[0] if op & schedule_lib.FWD else act_fill
           send_cot, grads, loss_sum, metric_sum = (
@@ -304,7 +305,8 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
           send_cot, grads, loss_sum, metric_sum = lax.cond(
               (op & schedule_lib.BWD) > 0, lambda: backward(bm, bslot)[1:], lambda: idle()[1:])
       else:
-        branches = [idle, forward, backward] if training else [idle, forward, idle]
+        branches = ([idle, forward, functools.partial(backward, bm, bslot)] if training
+                    else [idle, forward, idle])
         send_act, send_cot, grads, loss_sum, metric_sum = (
             branches[op]() if single else lax.switch(op, branches))
       if num_stages > 1 and training and exchange == 'all_gather':

@@ -128,6 +128,43 @@ def test_fused_1f1b_with_both_ops_in_a_tick_equals_sequential(kind, k, sizes, mi
   assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
 
 
+def _gpipe_backwards_in_forward_order(num_stages, num_micro_batches):
+  """GPipe with each stage's backwards in forward order (micro-batch 0 first):
+  its BWD cells name their micro-batches in ``backward_micro_batch``, with no
+  BOTH cell (not a fused table)."""
+  g = schedule_lib.gpipe(num_stages, num_micro_batches)
+  backward = np.where(g.ops == schedule_lib.BWD, num_micro_batches - 1 - g.micro_batch, -1)
+  return schedule_lib.Schedule('gpipe-fifo', g.ops, g.micro_batch,
+                               backward_micro_batch=backward.astype(np.int32))
+
+
+@pytest.mark.parametrize('k,sizes', [(2, (5, 5)), (4, (4, 1, 3, 2))])
+def test_backwards_of_their_own_micro_batches_without_fused_cells(monkeypatch, k, sizes):
+  """A table's ``backward_micro_batch`` overrides ``micro_batch`` in its BWD
+  cells whether or not any tick runs both ops: each BWD takes its own
+  micro-batch's labels and stashed input (reading ``micro_batch`` there
+  pairs one micro-batch's input with another's labels)."""
+  sched = _gpipe_backwards_in_forward_order(k, 3)
+  schedule_lib.validate(sched)
+  assert not sched.fused
+  bwd = sched.ops == schedule_lib.BWD
+  assert (sched.micro_batch_of_backward()[bwd] != sched.micro_batch[bwd]).any()
+  monkeypatch.setitem(schedule_lib.SCHEDULES, 'gpipe-fifo', _gpipe_backwards_in_forward_order)
+  created, partition = _case('vit', k, sizes)
+  model, params = created.model, created.params
+  batch = fixtures.batch('vit', model, (8 // k) * 3, seed=k)
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  stage_params = part.to_stage_params(params, partition)
+  loss, metrics, grads = pipe.grad_fn(pipeline.Plan(partition, 8 // k, 3, 'gpipe-fifo'),
+                                      stage_params, train=False)(
+      stage_params, batch, jax.random.PRNGKey(0))
+  (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
+      lambda p: model.loss(p, batch), has_aux=True)(params)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert float(metrics['correct']) == float(ref_metrics['correct'])
+  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+
+
 def test_padded_slots_are_skipped_and_get_exactly_zero_grad():
   kind, sizes = 'vit', (1, 4, 1, 4)  # slots: stage 1 holds 3 block halves-pairs, stage 2 one
   created, partition = _case(kind, 4, sizes)

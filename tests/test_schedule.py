@@ -86,11 +86,12 @@ def test_unknown_schedule_and_bad_sizes():
     S.gpipe(2, 0)
 
 
-@pytest.mark.parametrize('name', ['gpipe', '1f1b', '1f1b-fused'])
+@pytest.mark.parametrize('name', ['gpipe', '1f1b', '1f1b-fused', 'forward-only'])
 @pytest.mark.parametrize('k,m', SIZES)
 def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
-  """Replays the table: a slot is never written while its micro-batch is live."""
-  sched = S.make(name, k, m)
+  """Replays the table: a slot is never written while its micro-batch is
+  live (until its BWD, or in an evaluation table its FWD, has read it)."""
+  sched = S.forward_only(k, m) if name == 'forward-only' else S.make(name, k, m)
   plan = S.buffer_plan(sched)
   owner = [[None] * plan.num_slots for _ in range(k)]
   for t in range(sched.num_ticks):
@@ -99,7 +100,7 @@ def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
         slot = plan.slot[t, s] if op == S.FWD else plan.backward_slot[t, s]
         if s > 0 or op == S.BWD:
           assert owner[s][slot] == mb, (t, s)
-        if op == S.BWD:
+        if op == S.BWD or sched.forward_only:
           owner[s][slot] = None
     for s in range(k):
       for table, src, want in ((plan.recv_activation_slot, s - 1, S.FWD),
@@ -114,7 +115,8 @@ def test_buffer_plan_never_overwrites_a_live_slot(name, k, m):
       if s == 0 and S.FWD in first:
         assert owner[0][plan.slot[t, 0]] is None
         owner[0][plan.slot[t, 0]] = first[S.FWD]
-  bound = {'gpipe': m, '1f1b': min(m, k) + 1, '1f1b-fused': min(m, 2 * k - 1)}[name]
+  bound = {'gpipe': m, '1f1b': min(m, k) + 1, '1f1b-fused': min(m, 2 * k - 1),
+           'forward-only': 1}[name]
   assert plan.num_slots <= bound
 
 
@@ -138,6 +140,13 @@ def test_fused_1f1b_runs_a_forward_and_a_backward_a_tick():
       fused = S.step_cost(S.one_f_one_b_fused(k, m), [1.0] * k, [2.5] * k, exchange)
       gpipe = S.step_cost(S.gpipe(k, m), [1.0] * k, [2.5] * k, exchange)
       assert fused.time <= gpipe.time + 1e-9, (k, m, exchange)
+
+
+def test_validator_refuses_a_backward_in_a_forward_only_table():
+  S.validate(S.forward_only(3, 4))
+  train = S.gpipe(3, 4)
+  with pytest.raises(S.ScheduleError, match='^a forward-only schedule contains BWD ops$'):
+    S.validate(S.Schedule('x', train.ops, train.micro_batch, forward_only=True))
 
 
 def test_validator_checks_both_cells():
