@@ -12,7 +12,7 @@ says so in one line and exits with code 2.
 
 The model is HF ``FlaxBertForQuestionAnswering`` from
 ``--config.model.pretrained`` (local directory or HF cache name, tokenized
-with its own tokenizer; the QA head is new), or with
+with its own tokenizer; the QA head is new unless the checkpoint holds one), or with
 ``--config.model.pretrained=''`` a randomly initialised ``model.preset``
 tokenized with ``--config.model.tokenizer=<dir>``.
 

@@ -1,6 +1,7 @@
 """The paper's performance analysis, side by side on this machine:
-``python -m experiments.reproduce --workdir DIR [--only NAME[,NAME]] [--config FILE]
-[--config.KEY=VALUE ...]``.
+``python -m experiments.reproduce --workdir DIR [--only NAME[,NAME]]
+[--variants NAME[,NAME]] [--config FILE] [--config.KEY=VALUE ...]``
+(``--variants``: the breakdown's variants to run; ``baseline`` always runs).
 
 Parts (each writes ``DIR/<part>.json`` and ``DIR/<part>.png``):
 

@@ -84,7 +84,8 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
       with ``from_pt=True`` when no Flax weights are present.
     seed: PRNG seed of the random initialisation.
     num_labels: with ``pretrained``, a classifier size to use instead of the
-      checkpoint's (the head is then freshly initialised).
+      checkpoint's (a head of another size, or none, is then freshly
+      initialised; one of this size is kept).
     abstract: return ``jax.ShapeDtypeStruct`` leaves instead of arrays (for
       planning without allocating the model).
     init_cache: a directory that keeps random initialisations (see
