@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import zipfile
 from typing import Any, Callable
 
@@ -28,6 +29,10 @@ from pipejax import diskcache
 DEFAULT_MAX_BYTES = 2 << 30
 _LIBRARIES = ('jax', 'jaxlib', 'flax', 'transformers', 'numpy')
 _SEPARATOR = '\x1f'  # not in any parameter name
+
+#: This cache's own file names (:func:`cached_init`): all that trimming it
+#: may remove.
+ENTRY_NAME = re.compile(r'init-[0-9a-f]{40}\.npz')
 
 
 def key(hf_class: type, hf_config, seed: int) -> str:
@@ -64,7 +69,7 @@ def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
     flat = traverse_util.flatten_dict(params)
     arrays = {_SEPARATOR.join(k): np.asarray(v) for k, v in flat.items()}
     diskcache.write_atomic(path, lambda f: np.savez(f, **arrays), binary=True, sync=False)
-    diskcache.trim(directory, '.npz', max_bytes)
+    diskcache.trim(directory, ENTRY_NAME, max_bytes)
   except OSError as e:
     log(f'initialisation cache {directory} is unusable ({e}); initialising every run')
   return params

@@ -9,7 +9,9 @@ import datetime
 import fcntl
 import importlib.metadata
 import os
+import re
 import socket
+import stat
 import time
 import uuid
 from typing import IO, Callable
@@ -141,18 +143,20 @@ def remove(path: str) -> None:
     pass
 
 
-def remove_stale_tmp(directory: str, of: tuple[str, ...] | None = None) -> None:
-  """Removes the ``*.tmp`` files of :func:`write_atomic` that a killed writer
-  left in ``directory`` (older than :data:`STALE_TMP_SECONDS`: a live
-  writer's file is younger): all of them, or (``of``, for a folder that
-  holds other files too) only those of the files named; quiet if it cannot."""
+def remove_stale_tmp(directory: str, of: tuple[str, ...] | re.Pattern) -> None:
+  """Removes the ``<target>.<id>.tmp`` files of :func:`write_atomic` that a
+  killed writer left in ``directory`` (older than :data:`STALE_TMP_SECONDS`:
+  a live writer's file is younger), of the targets named in ``of``, or whose
+  names ``of`` (a pattern) matches whole: a folder may hold other people's
+  files, which stay. Quiet if it cannot."""
   try:
     names = os.listdir(directory)
   except OSError:
     return
   for name in names:
-    if not name.endswith('.tmp') or (of is not None and not name.startswith(
-        tuple(f'{target}.' for target in of))):
+    target = name[:-len('.tmp')].rpartition('.')[0] if name.endswith('.tmp') else ''
+    if not target or not (of.fullmatch(target) if isinstance(of, re.Pattern)
+                          else target in of):
       continue
     full = os.path.join(directory, name)
     try:
@@ -162,21 +166,23 @@ def remove_stale_tmp(directory: str, of: tuple[str, ...] | None = None) -> None:
       continue
 
 
-def trim(directory: str, suffix: str | tuple[str, ...], max_bytes: int) -> None:
-  """Removes the least recently used ``*suffix`` entries of ``directory``
-  beyond ``max_bytes``, and ``*.tmp`` files left by killed writers."""
-  remove_stale_tmp(directory)
-  entries = []
+def trim(directory: str, entries: re.Pattern, max_bytes: int) -> None:
+  """Removes the least recently used files of ``directory`` whose names
+  ``entries`` matches whole (a cache's own entries) beyond ``max_bytes``,
+  and the ``*.tmp`` files that killed writers left of such entries; any
+  other file stays (a cache may be pointed at a shared folder)."""
+  remove_stale_tmp(directory, entries)
+  owned = []
   for name in os.listdir(directory):
     full = os.path.join(directory, name)
     try:
       st = os.stat(full)
     except OSError:
       continue
-    if name.endswith(suffix):
-      entries.append((st.st_mtime, st.st_size, full))
-  total = sum(size for _, size, _ in entries)
-  for _, size, full in sorted(entries):
+    if entries.fullmatch(name) and stat.S_ISREG(st.st_mode):
+      owned.append((st.st_mtime, st.st_size, full))
+  total = sum(size for _, size, _ in owned)
+  for _, size, full in sorted(owned):
     if total <= max_bytes:
       break
     remove(full)

@@ -71,6 +71,7 @@ import json
 import os
 import pickle
 import platform
+import re
 import threading
 import time
 import uuid
@@ -92,6 +93,10 @@ _LIBRARIES = ('jax', 'jaxlib', 'flax', 'optax', 'transformers', 'numpy')
 PROGRAM_SUFFIX = '.jaxexport'
 EXECUTABLE_SUFFIX = '.xla'  # an executable, named by what XLA compiled
 POINTER_SUFFIX = '.ref'  # an entry's executable on this machine: its name
+#: The store's own file names (:meth:`ProgramStore.path`, ``pointer_path``,
+#: ``executable_path``): all that trimming it may remove.
+ENTRY_NAME = re.compile(r'\w+-[0-9a-f]{40}(\.jaxexport|\.[0-9a-f]{12}\.ref)'
+                        r'|exec-[0-9a-f]{40}\.xla')
 # The layout of an executable's file, part of its name: a file written by an
 # earlier layout is never pointed to (it would be found unusable at every load).
 EXECUTABLE_FORMAT = 3
@@ -385,8 +390,7 @@ class ProgramStore:
     return True
 
   def _trim(self, max_bytes: int) -> None:
-    diskcache.trim(self.directory, (PROGRAM_SUFFIX, EXECUTABLE_SUFFIX, POINTER_SUFFIX),
-                   max_bytes)
+    diskcache.trim(self.directory, ENTRY_NAME, max_bytes)
 
   def stats(self) -> dict:
     return {'programs_loaded': self.hits, 'programs_traced': self.misses,

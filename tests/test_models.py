@@ -235,11 +235,17 @@ def test_initialisation_cache_keeps_the_most_recent_entries_within_its_size(tmp_
   from models import init_cache  # noqa: PLC0415
   cache = tmp_path / 'init'
   cache.mkdir()
-  killed, writing = cache / 'init-x.npz.1.tmp', cache / 'init-y.npz.2.tmp'
-  killed.write_bytes(b'partial')
-  writing.write_bytes(b'partial')
-  os.utime(killed, (0, os.path.getmtime(killed) - 7200))  # left by a writer killed 2 h ago
+  killed, writing = (cache / f'init-{"a" * 40}.npz.{"1" * 32}.tmp',
+                     cache / f'init-{"b" * 40}.npz.{"2" * 32}.tmp')
+  # A folder shared with other files: trimming removes none of them.
+  others = [cache / 'notes.npz', cache / 'draft.tmp', cache / f'init-{"c" * 40}.npz.bak',
+            cache / f'init-{"d" * 39}.npz']
+  for path in [killed, writing] + others:
+    path.write_bytes(b'x' * 20000)
+    os.utime(path, (0, os.path.getmtime(path) - 7200))  # as if left by a writer killed 2 h ago
+  os.utime(writing)  # a live writer's
   for seed in range(3):
     init_cache.cached_init(str(cache), f'{seed:040d}',
                            lambda: {'w': np.zeros(1000, np.float32)}, max_bytes=2500 * 4)
-  assert sorted(os.listdir(cache)) == [f'init-{s:040d}.npz' for s in (1, 2)] + [writing.name]
+  assert sorted(os.listdir(cache)) == sorted([f'init-{s:040d}.npz' for s in (1, 2)]
+                                             + [writing.name] + [p.name for p in others])

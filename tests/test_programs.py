@@ -7,6 +7,7 @@ every transition program trains bit for bit like one that traces them."""
 import contextlib
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -465,6 +466,8 @@ def test_an_elastic_run_from_stored_programs_trains_bit_for_bit(tmp_path):
   assert traced[3]['executables_not_kept'] == 0
   kinds = {n.split('-')[0] for n in os.listdir(tmp_path)}
   assert kinds == {'step', 'move', 'prefix', 'advance', 'portable', 'exec'}, kinds
+  # Every file is the store's own by the names its trimming may remove.
+  assert all(programs.ENTRY_NAME.fullmatch(n) for n in os.listdir(tmp_path)), os.listdir(tmp_path)
   assert 'K=4' in want[1][0] and 'K=4' not in want[1][-1], want[1]  # compressed
   for got in (traced, loaded):
     assert got[0] == want[0] and got[1] == want[1]
@@ -530,8 +533,15 @@ def test_stale_temporary_files_of_the_named_files_only_are_removed(tmp_path):
   diskcache.remove_stale_tmp(str(tmp_path), of=('metrics.jsonl', 'summary.json'))
   assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'notes.txt.tmp',
                                           'summary.json.young.tmp']
-  diskcache.remove_stale_tmp(str(tmp_path))  # a cache's own folder: every stale one
-  assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'summary.json.young.tmp']
+  # A cache's entries, by a pattern of their names.
+  diskcache.remove_stale_tmp(str(tmp_path), re.compile(r'notes\.\w+'))
+  assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'notes.txt.tmp',
+                                          'summary.json.young.tmp']
+  (tmp_path / 'notes.txt.ef56.tmp').write_text('x')
+  os.utime(tmp_path / 'notes.txt.ef56.tmp', (old, old))
+  diskcache.remove_stale_tmp(str(tmp_path), re.compile(r'notes\.\w+'))
+  assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl', 'notes.txt.tmp',
+                                          'summary.json.young.tmp']
 
 
 def test_a_folder_lock_excludes_a_second_holder_and_survives_a_failed_name_write(tmp_path,
