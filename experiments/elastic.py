@@ -400,7 +400,9 @@ def _progress(epoch: int, total: int):
 
 
 def _start_over(workdir: str) -> None:
-  """Removes a previous run's outputs from ``workdir`` (``--config.resume=False``)."""
+  """Removes a previous run's outputs from ``workdir`` (``--config.resume=False``);
+  refuses, removing nothing, a checkpoint folder of another program's."""
+  checkpoints.check_own(workdir)
   removed = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
   if os.path.isdir(os.path.join(workdir, 'checkpoints')):
     removed.append('checkpoints/')

@@ -22,6 +22,7 @@ before.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Any, Callable
 
@@ -37,8 +38,44 @@ from pipejax import diskcache
 PACKED = 'packed_state'
 
 
+#: The items of a pipejax checkpoint (:meth:`Checkpoints.save`).
+ITEMS = ('meta', 'state')
+# What pipejax and orbax write under checkpoints/: a step, one set aside, a
+# save in progress (orbax's ``<step>.orbax-checkpoint-tmp-<n>``).
+_OWN = re.compile(r'\d+(\.corrupt(\.\d+)?|\.orbax-checkpoint-tmp.*)?')
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint that could not be written or read (one-line message)."""
+
+
+def check_own(workdir: str) -> None:
+  """Refuses a ``workdir/checkpoints`` holding a folder that orbax would take
+  for a step (an integer name) but that is no pipejax checkpoint (non-empty,
+  with neither of :data:`ITEMS`): resuming would set it aside as damaged and
+  keeping the newest checkpoints would delete it.
+
+  Raises:
+    CheckpointError: naming the first such folder.
+  """
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  try:
+    names = sorted(os.listdir(directory), key=lambda n: (len(n), n))
+  except OSError:
+    return
+  for name in names:
+    path = os.path.join(directory, name)
+    if not name.isdigit() or not os.path.isdir(path):
+      continue
+    try:
+      items = sorted(os.listdir(path))
+    except OSError:
+      continue
+    if items and not set(ITEMS) & set(items):
+      shown = ', '.join(items[:4]) + (', ...' if len(items) > 4 else '')
+      raise CheckpointError(f'{path} is not a pipejax checkpoint (it holds {shown}, not '
+                            f'{" and ".join(ITEMS)}): move it out of {directory}, or use '
+                            f'another --workdir')
 
 
 def pack(state: Any) -> tuple[dict[str, np.ndarray], list]:
@@ -104,6 +141,7 @@ class Checkpoints:
   """
 
   def __init__(self, workdir: str, keep: int = 2):
+    check_own(workdir)
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     # Directories are created before save() returns: created asynchronously,
     # a save that failed (a full disk) left its writer threads waiting 300 s
@@ -265,5 +303,25 @@ def set_aside(workdir: str) -> list[str]:
 
 
 def clear(workdir: str) -> None:
-  """Removes a run's checkpoints (starting over)."""
-  shutil.rmtree(os.path.join(os.path.abspath(workdir), 'checkpoints'), ignore_errors=True)
+  """Removes a run's checkpoints (starting over): its steps, those set aside
+  and unfinished saves; anything else in ``workdir/checkpoints`` stays (and
+  the folder with it).
+
+  Raises:
+    CheckpointError: a step folder that is no pipejax checkpoint
+      (:func:`check_own`); nothing is removed then.
+  """
+  check_own(workdir)
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return
+  for name in names:
+    path = os.path.join(directory, name)
+    if _OWN.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+  try:
+    os.rmdir(directory)
+  except OSError:
+    pass  # other files stay

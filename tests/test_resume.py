@@ -4,6 +4,7 @@ failed or corrupt checkpoint leaves the previous one usable; signals."""
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -273,6 +274,42 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
                            r'use another --workdir, or --config.resume=False'):
     elastic._resume(str(tmp_path), None, checkpoints.Checkpoints(str(tmp_path)), {})
   assert open(log.path).read() == before
+
+
+def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_removed(tmp_path):
+  """A step folder (an integer name) that holds something other than a
+  pipejax checkpoint is refused in one line, resuming or starting over,
+  before anything is renamed or removed; once it is gone, starting over
+  removes the run's own checkpoints and leaves the user's other files."""
+  workdir = str(tmp_path)
+  ckpt = checkpoints.Checkpoints(workdir)
+  ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
+  ckpt.close()
+  folder = os.path.join(workdir, 'checkpoints')
+  for name in ('1.corrupt', '3.orbax-checkpoint-tmp-1700000000', '9',
+               '200/default', 'backup/2'):
+    os.makedirs(os.path.join(folder, name))
+  for name in ('200/default/array.bin', 'notes.txt', '42'):
+    with open(os.path.join(folder, name), 'w') as f:
+      f.write('mine')
+  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
+
+  def tree():
+    return sorted(os.path.relpath(os.path.join(root, n), workdir)
+                  for root, dirs, files in os.walk(workdir) for n in dirs + files)
+  before = tree()
+  message = (rf'^{re.escape(folder)}/200 is not a pipejax checkpoint \(it holds default, not meta '
+             rf'and state\): move it out of {re.escape(folder)}, or use another --workdir$')
+  for attempt in (lambda: checkpoints.Checkpoints(workdir), lambda: checkpoints.clear(workdir),
+                  lambda: elastic._start_over(workdir)):
+    with pytest.raises(checkpoints.CheckpointError, match=message):
+      attempt()
+    assert tree() == before
+  shutil.move(os.path.join(folder, '200'), os.path.join(workdir, 'theirs'))
+  checkpoints.Checkpoints(workdir).close()  # an empty step folder is not another program's
+  checkpoints.clear(workdir)
+  assert sorted(os.listdir(folder)) == ['42', 'backup', 'notes.txt']
+  assert os.path.isfile(os.path.join(workdir, 'theirs', 'default', 'array.bin'))
 
 
 def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tmp_path):
