@@ -99,6 +99,9 @@ def main(argv=None) -> int:
   model, params = created.model, created.params
   devices = jax.devices()
   n = len(devices)
+  if devices[0].platform == 'cpu' and n != args.devices:
+    print(f'note: {n} CPU devices, as XLA_FLAGS sets them (--devices {args.devices} applies '
+          f'only where XLA_FLAGS does not)', file=sys.stderr)
   rng = np.random.default_rng(0)
   batch = {'pixel_values': rng.normal(size=(args.batch, args.image_size, args.image_size, 3)
                                       ).astype(np.float32),
@@ -124,6 +127,10 @@ def main(argv=None) -> int:
   for k in args.lengths:
     if n % k:
       print(f'skip K={k}: does not divide {n} devices', file=sys.stderr)
+      continue
+    if k > 2 * args.layers + 2:
+      print(f'skip K={k}: more stages than the model\'s {2 * args.layers + 2} units '
+            f'(2 per block, the embedding and the head)', file=sys.stderr)
       continue
     r = n // k
     for name in args.schedules:

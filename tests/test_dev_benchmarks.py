@@ -43,10 +43,11 @@ def test_bench_autocache_serves_every_read_from_the_cache(tmp_path):
 
 def test_bench_pipeline_measures_each_plan_that_fits(tmp_path):
   out = _run('bench_pipeline', f'--workdir={tmp_path}', '--layers=2', '--hidden=32',
-             '--image-size=8', '--patch-size=4', '--batch=8', '--lengths=1,2,3',
+             '--image-size=8', '--patch-size=4', '--batch=8', '--lengths=1,2,3,8',
              '--micro-batches=1', '--repeats=1')  # every schedule, the default
   assert out.returncode == 0, out.stderr[-2000:]
   assert 'skip K=3: does not divide 8 devices' in out.stderr
+  assert "skip K=8: more stages than the model's 6 units" in out.stderr
   rows = json.loads((tmp_path / 'bench_pipeline.json').read_text())['rows']
   assert [(r['pipeline_length'], r['replicas'], r['micro_batches'], r['schedule'])
           for r in rows] == [(k, 8 // k, k, name) for k in (1, 2)
