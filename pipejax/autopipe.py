@@ -392,18 +392,26 @@ class MicroBatchProfile:
     key: identity of the configuration (model, batch, devices, …); hashed.
     about: a JSON description of the configuration saved beside the choices
       (by the trainer: :func:`profile_about`).
+    log: where a problem with the file is said, in one line (default: a
+      ``UserWarning``).
+
+  A file that cannot be read, or a JSON object that is not a profile (a path
+  given by mistake), is left as it is: the choices are kept for this run
+  only. A damaged profile is moved to ``<path>.corrupt`` and written anew.
   """
 
-  def __init__(self, path: str | None, key: dict[str, Any], about: dict[str, Any] | None = None):
+  def __init__(self, path: str | None, key: dict[str, Any], about: dict[str, Any] | None = None,
+               log: Callable[[str], None] | None = None):
     self.path = os.path.expanduser(path) if path else None
     self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     self.about = about or {}
+    self._say = log or (lambda text: warnings.warn(text, stacklevel=3))
     try:
       with _locked(self.path):
-        data = _read_keeping(self.path) if self.path else {}
-    except (OSError, ValueError) as e:  # unreadable, or damaged and cannot be moved aside
-      warnings.warn(f'{e}; the micro-batch counts are kept for this run only')
-      data = {}
+        data = _read_keeping(self.path, self._say) if self.path else {}
+    except (OSError, ValueError) as e:  # unreadable, not a profile, or cannot be moved aside
+      self._say(f'{e}; the micro-batch counts are kept for this run only')
+      self.path, data = None, {}
     self.entries: dict[str, Any] = _choices(data.get(self.key))  # corrupt: re-measured
     described = data.get(ABOUT)
     if self.entries and self.about and (
@@ -438,7 +446,7 @@ class MicroBatchProfile:
       # Runs of other configurations share the file: read, merge and write
       # under a lock, through a temporary file of this process's own.
       with _locked(self.path):
-        data = _read_keeping(self.path)
+        data = _read_keeping(self.path, self._say)
         data[self.key] = self.entries
         if self.about:
           if not isinstance(data.get(ABOUT), dict):
@@ -446,8 +454,9 @@ class MicroBatchProfile:
           data[ABOUT][self.key] = self.about
         diskcache.write_atomic(self.path, lambda f: json.dump(data, f, indent=1))
     except (OSError, ValueError) as e:
-      warnings.warn(f'cannot write the micro-batch profile {self.path}: {e}; '
-                    f'keeping it for this run only')
+      self._say(f'cannot write the micro-batch profile {self.path}: {e}; '
+                f'keeping it for this run only')
+      self.path = None  # said once
 
 
 ABOUT = 'about'  # the profile file's key of the runs' descriptions
@@ -466,7 +475,16 @@ def _load(path: str) -> dict[str, Any]:
     raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
   if not isinstance(data, dict):
     raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
+  for key, value in data.items():  # a record per configuration, and their descriptions
+    if not isinstance(value, dict):
+      raise NotAProfile(f'{path} is not a micro-batch profile (its key {key[:40]!r} holds '
+                        f'{type(value).__name__}, not an object); it is left as it is')
   return data
+
+
+class NotAProfile(ValueError):
+  """A readable JSON object that is no micro-batch profile: not ours to
+  move or rewrite."""
 
 
 @contextlib.contextmanager
@@ -493,28 +511,29 @@ def _locked(path: str | None):
       lock.close()
 
 
-def _read_keeping(path: str) -> dict[str, Any]:
-  """:func:`_load`, with ``{}`` for a missing file; one that exists but is
-  not a profile is first moved to ``<path>.corrupt`` (with a warning), so
-  that rewriting it loses nothing. Call it under :func:`_locked`.
+def _read_keeping(path: str, say: Callable[[str], None]) -> dict[str, Any]:
+  """:func:`_load`, with ``{}`` for a missing file; a damaged one (not
+  JSON, or not an object) is first moved to ``<path>.corrupt`` (said with
+  ``say``), so that rewriting it loses nothing. Call it under :func:`_locked`.
 
   Raises:
     ValueError: a file that cannot be read (permissions, a directory) or
-      moved: it must not be overwritten either.
+      moved, or a JSON object that is not a profile (:class:`NotAProfile`):
+      it must not be overwritten either.
   """
   try:
     return _load(path)
   except ValueError as e:
     if isinstance(e.__cause__, FileNotFoundError):
       return {}
-    if isinstance(e.__cause__, OSError):
+    if isinstance(e.__cause__, OSError) or isinstance(e, NotAProfile):
       raise
     aside = diskcache.aside_name(path)
     try:
       os.replace(path, aside)
     except OSError as moved:
       raise ValueError(f'{e}; it cannot be moved aside either ({moved})') from moved
-    warnings.warn(f'{e}; moved to {aside}, the micro-batch counts are profiled again')
+    say(f'{e}; moved to {aside}, the micro-batch counts are profiled again')
     return {}
 
 

@@ -271,7 +271,8 @@ class Trainer:
     # The key (hashed) is the description with the HF config as its repr.
     key = {'model': repr(model.hf_config.to_dict()),
            **{k: v for k, v in about.items() if k != 'hf_config'}}
-    self.profile = autopipe.MicroBatchProfile(c.pipeline.profile_path or None, key, about)
+    self.profile = autopipe.MicroBatchProfile(c.pipeline.profile_path or None, key, about,
+                                              log=self.log)
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval: dict[tuple, concurrent.futures.Future] = {}  # compiled evaluation forwards
@@ -681,7 +682,8 @@ class Trainer:
     if known in candidates:
       if k not in self._announced:
         self._announced.add(k)
-        self.log(f'  micro-batches for K={k}: M={known} (remembered in {self.profile.path})')
+        where = self.profile.path or 'this run, no profile file'
+        self.log(f'  micro-batches for K={k}: M={known} (remembered in {where})')
       return known, False
     # Round-robin, so a slow spell of a shared machine hits every candidate:
     # one untimed warm-up round, then PROFILE_ROUNDS timed rounds.

@@ -200,6 +200,34 @@ def test_micro_batch_profile_is_remembered_across_runs(tmp_path):
   assert open(path + '.corrupt.2').read() == '[]'
 
 
+def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
+  """``pipeline.profile_path`` pointed at another JSON file by mistake (a
+  run's summary): never merged into, moved or rewritten; the choices stay in
+  memory, said once, in one line."""
+  path = tmp_path / 'summary.json'
+  path.write_text(json.dumps({'final_eval_accuracy': 0.97, 'epochs': 10}))
+  before = path.read_bytes()
+  lines = []
+  profile = autopipe.MicroBatchProfile(str(path), {'model': 'x'}, {'devices': 8},
+                                       log=lines.append)
+  assert profile.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)[0] == 8
+  assert profile.get(4) == 8
+  assert lines == [f"{path} is not a micro-batch profile (its key 'final_eval_accuracy' holds "
+                   f"float, not an object); it is left as it is; the micro-batch counts are "
+                   f"kept for this run only"]
+  assert path.read_bytes() == before
+  assert sorted(os.listdir(tmp_path)) == ['summary.json', 'summary.json.lock']
+  # A damaged profile is set aside and written anew, said in one line too.
+  damaged = tmp_path / 'profile.json'
+  damaged.write_text('{corrupt')
+  lines.clear()
+  autopipe.MicroBatchProfile(str(damaged), {'model': 'x'}, log=lines.append).choose(
+      4, [4, 8], {4: 0.2, 8: 0.1}.get)
+  assert len(lines) == 1 and '\n' not in lines[0] and 'moved to' in lines[0], lines
+  assert (tmp_path / 'profile.json.corrupt').read_text() == '{corrupt'
+  assert autopipe.MicroBatchProfile(str(damaged), {'model': 'x'}).get(4) == 8
+
+
 def test_a_profile_path_under_home_is_the_users_home_not_a_folder_named_tilde(
     tmp_path, monkeypatch):
   # The default pipeline.profile_path starts with '~'; a Trainer built without
