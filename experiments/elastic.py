@@ -205,7 +205,7 @@ def resolve_data(config, task: str = 'vit'):
           raise
         reason = str(e).split(';')[0]
     _log(f'ImageNet not found ({reason}); running the embedded default: '
-         f'a 12-block ViT on scikit-learn digits with {config.pipeline.devices} devices')
+         f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
     return datasets.digits(seed=config.seed)
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
 
