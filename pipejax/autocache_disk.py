@@ -1,6 +1,7 @@
 """AutoCache's disk tier: checksummed fixed-size records in one file.
 
-A cache directory holds two files that this module owns (nothing else in the
+A cache directory holds two files that this module owns, and while the disk
+is timed a scratch ``probe-<random>.bin`` of its own (nothing else in the
 directory is read, written or removed):
 
 ``autocache.json``  the manifest: format, run identity, entry shape and dtype,
@@ -29,6 +30,7 @@ import hashlib
 import json
 import os
 import time
+import uuid
 import zlib
 from typing import Callable, Sequence
 
@@ -38,7 +40,7 @@ import numpy as np
 from pipejax import diskcache
 
 FORMAT = 'pipejax-autocache-1'
-MANIFEST, ENTRIES, PROBE = 'autocache.json', 'entries.bin', 'probe.bin'
+MANIFEST, ENTRIES = 'autocache.json', 'entries.bin'
 MAGIC = b'PJAC'
 HEADER = np.dtype([('magic', 'S4'), ('sample_id', '<i8'), ('depth', '<i4'), ('crc', '<u4'),
                    ('identity', '<u8'), ('payload_bytes', '<u4')])
@@ -267,10 +269,10 @@ class DiskTier:
   def measure(self, payload: np.ndarray) -> tuple[float, float]:
     """Seconds to write and to read back ``payload [n, *entry_shape]`` as
     records, through a scratch file beside the entries (removed after)."""
-    path = os.path.join(self.directory, PROBE)
+    path = os.path.join(self.directory, f'probe-{uuid.uuid4().hex}.bin')  # a new file, ours
     ids = np.arange(len(payload))
     depths = np.zeros(len(payload), np.int32)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
       start = time.perf_counter()
       os.pwrite(fd, self.encode(ids, depths, payload).tobytes(), 0)

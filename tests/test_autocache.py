@@ -694,10 +694,14 @@ def test_measure_io_reports_both_tiers(tmp_path):
   hidden = np.random.default_rng(0).normal(size=(8, SEQ, HIDDEN))
   memory = make_cache(memory_bytes=1 << 20)
   disk = make_cache(tmp_path, memory_bytes=0, disk_bytes=1 << 20)
+  mine = tmp_path / 'cache' / 'probe.bin'  # a file of the user's: never touched
+  mine.write_text('mine')
+  before = sorted(os.listdir(tmp_path / 'cache'))
   for cache in (memory, disk):
     write, read = cache.measure_io(hidden)
     assert write > 0 and read > 0
-  assert not os.path.exists(tmp_path / 'cache' / autocache_disk.PROBE)
+  assert sorted(os.listdir(tmp_path / 'cache')) == before  # its scratch file removed
+  assert mine.read_text() == 'mine'
   assert disk.stats()['disk_entries'] == 0
 
 
