@@ -9,7 +9,14 @@ the first stage, and the partition balances around it. The memory proxy is::
 
   M_GPU = max_k S_k        with S_0 including λ_frozen · S_frozen        (Eq. 2)
 
-and the pipeline is halved while ``M_GPU(T) ≤ M_GPU(0)``.
+and the pipeline is halved while ``M_GPU(T) ≤ M_GPU(0)``. Two readings of a
+paper that is not consistent with itself: a tie halves, as Eq. 2's ≤ says
+(Algorithm 1's line 30 compares with <; ViT-B/16 with its 1000-class head on 8
+devices ties at F = 7, 12.58M parameters on whole sub-layers either way, and
+halves there rather than at F = 8); and the frozen
+layers add ``λ_frozen · S_frozen`` to the first stage, as §3.2.1's prose
+says, where Algorithm 1's lines 19 and 28 subtract ``(1 − λ_frozen) ·
+S_frozen`` from a first stage that never held ``S_frozen``.
 
 (pipejax runs the frozen prefix outside the pipeline, forward-only and
 data-parallel over all devices, with its parameters replicated; the plan's
@@ -359,8 +366,10 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
 
 def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,
                            max_factor: int = 6) -> list[int]:
-  """M ∈ {K, 2K, …, 6K} that divide the per-replica batch (paper §3.2.3).
-  When none does: the divisors of the batch between K and 6K, else the
+  """M ∈ {K, 2K, …, 6K} that divide the per-replica batch. The paper
+  (§3.2.3) enumerates M "ranging from K to 6K"; pipejax profiles the
+  multiples of K in that range only (each candidate is a compiled step and
+  live profiling steps of the run). When none divides: the divisors of the batch between K and 6K, else the
   largest one below K (a batch smaller than K: one sample a micro-batch),
   never a needlessly serial pipeline.
 

@@ -12,10 +12,17 @@ active ones are ``F_{T-1}..L−1``. ``‖g_i‖`` is block i's gradient norm (at
 and MLP sub-layers together) accumulated — summed over the steps — during
 timestep T. If block i* has the smallest norm, it has converged first, and since
 only a prefix can be frozen, blocks 0..i* freeze: the candidate count is
-``i* + 1``. The α term bounds how far one timestep may go.
+``i* + 1``. The α term bounds how far one timestep may go. (The paper's
+App. B words it "freeze all layers preceding the layer with the smallest
+gradient norm", which would leave block i* itself trainable and let the
+argmin term freeze nothing at all; pipejax follows Eq. 1's intuition that
+the smallest-norm block has converged, so the argmin term always freezes at
+least one more block when the α bound allows one.)
 
 *Real-valued bound.* The first term is kept as a real number between
-timesteps (``bound``) and the applied count is its floor; this makes the
+timesteps (``bound``, which takes the place of ``F_{T-1}`` in it:
+``bound_T = bound_{T-1} + α (L − bound_{T-1})``) and the applied count is its
+floor; this makes the
 ``schedule`` policy exactly the paper's geometric sequence
 ``F_T = L (1 − (1 − α)^T)`` (its Figure 4). When the argmin term is the smaller
 one, ``bound`` is reset to that integer count.
