@@ -246,9 +246,11 @@ class Trainer:
     autodp.replicas_for(self.num_devices, self.initial_length)
     self.pipe = pipeline.Pipeline(model, devices=self.devices,
                                   exchange=c.pipeline.get('exchange', 'auto'))
-    # The learning-rate schedule's unit: a step of the starting global batch.
+    # The learning-rate schedule's unit: a step of the starting global batch
+    # (of the starting plan's replicas: one without AutoDP).
     self.starting_batch_size = autodp.global_batch_size(
-        c.train.batch_size, self.num_devices // self.initial_length, c.train.batch_mode)
+        c.train.batch_size, self.num_devices // self.initial_length if c.pipeline.autodp else 1,
+        c.train.batch_mode)
     self.steps_per_epoch = dataclasses.replace(
         train_loader, batch_size=self.starting_batch_size).steps_per_epoch()
     # What the programs of this run are traced from, besides the code and
@@ -522,7 +524,9 @@ class Trainer:
       pipejax.resume.CheckpointMismatch: the checkpoint's starting global batch
         differs (``train.batch_mode=per_pipeline`` on other devices or another
         ``pipeline.initial_length``): its step count, learning-rate schedule and
-        position in the epoch are in units of that batch.
+        position in the epoch are in units of that batch; or, saved in the
+        middle of an epoch, its plan's batch differs from the plan restored
+        on these devices (``per_pipeline``): its position counts that batch.
     """
     self.check_resumable(meta)
     partition = self._restored_partition(meta)
@@ -544,6 +548,15 @@ class Trainer:
     same_plan = same_devices and partition.pipeline_length == meta['plan']['pipeline_length']
     fixed = self.config.pipeline.micro_batches  # a fixed M in the config wins
     self.plan = self._plan(partition, saved_m if same_plan and not fixed else None)
+    saved_batch = autodp.global_batch_size(self.config.train.batch_size,
+                                           meta['plan']['replicas'], self.config.train.batch_mode)
+    if not meta['epoch_done'] and self.batch_size(self.plan) != saved_batch:
+      raise resume.CheckpointMismatch(
+          f'the checkpoint was saved in the middle of epoch {meta["epoch"]}, {meta["step_in_epoch"]} '
+          f'batches of {saved_batch} samples in; on {self.num_devices} devices its plan takes '
+          f'batches of {self.batch_size(self.plan)} (train.batch_mode=per_pipeline): the rest of '
+          f'that epoch would repeat or skip samples; resume on the {meta["devices"]} devices it '
+          f'was saved on, or from a checkpoint at an epoch\'s end')
     self.policy.state = freeze.FreezeState.from_dict(meta['freeze_state'])
     self.transitions = [Transition(**t) for t in meta['transitions']]
     shapes = self._state_shapes(partition)

@@ -362,6 +362,66 @@ def test_a_per_pipeline_checkpoint_is_refused_where_the_starting_batch_differs(t
   assert same.plan == saved.plan
 
 
+def test_per_pipeline_without_autodp_counts_the_schedule_in_its_own_steps(tmp_path):
+  """``per_pipeline`` with AutoDP off: one pipeline, R = 1, so every step is
+  one starting batch (train.batch_size), not the R0 = N/K0 pipelines' batch
+  it never runs: the learning-rate schedule moves a place a step (it stood at
+  0, a warm-up's zero rate, for the whole run)."""
+  config = _config(initial_length=4, micro_batches=2, epochs=2)
+  with config.unlocked():
+    config.train.update(batch_mode='per_pipeline', batch_size=8, warmup_epochs=0.5)
+    config.pipeline.autodp = False
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+  trainer = Trainer(created.model, created.params, config, str(tmp_path),
+                    Loader(ArraySource(data), 8, seed=0),
+                    Loader(ArraySource(data), 8, shuffle=False, drop_remainder=False),
+                    log=lambda _: None)
+  assert (trainer.plan.replicas, trainer.starting_batch_size, trainer.steps_per_epoch) == (1, 8, 8)
+  before = jax.device_get(trainer.portable_state()['params'])
+  trainer.train_epoch(0, _Bar())
+  assert int(trainer.state['step']) == trainer.base_steps_done() == 8
+  assert float(trainer.lr(trainer.base_steps_done())) > 0.0  # past the warm-up of 4 steps
+  after = jax.device_get(trainer.portable_state()['params'])
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
+                                                      jax.tree.leaves(after), strict=True))
+
+
+def test_a_mid_epoch_per_pipeline_checkpoint_is_refused_where_the_plans_batch_differs(tmp_path):
+  """Saved on 8 devices after compressing to K = 2 (R = 4: batches of 32),
+  resumed on 4 (K = 2, R = 2: batches of 16) with the same starting batch:
+  its position in the epoch counts batches of 32, so the rest of the epoch
+  would repeat samples. At an epoch's end the next epoch starts afresh."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
+  with config.unlocked():
+    config.train.update(batch_mode='per_pipeline', batch_size=8)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+
+  def trainer(batch, devices, initial_length):
+    with config.unlocked():
+      config.pipeline.initial_length = initial_length
+    return Trainer(created.model, created.params, config, str(tmp_path),
+                   Loader(ArraySource(data), batch, seed=0),
+                   Loader(ArraySource(data), batch, shuffle=False, drop_remainder=False),
+                   devices=devices, log=lambda _: None)
+
+  saved = trainer(16, jax.devices(), 4)
+  sample = next(iter(saved.train_loader.epoch(0)))[1]
+  for epoch in range(2):
+    saved.train_epoch(epoch, _Bar())
+    saved.maybe_transition(epoch, sample)
+  assert (saved.plan.pipeline_length, saved.plan.replicas) == (2, 4)
+  mid = saved.checkpoint_meta(2, 1, False)
+  with pytest.raises(resume.CheckpointMismatch,
+                     match=r'saved in the middle of epoch 2, 1 batches of 32 samples in; on 4 '
+                           r'devices its plan takes batches of 16'):
+    trainer(16, jax.devices()[:4], 2).restore(saved.portable_state(), mid)
+  resumed = trainer(16, jax.devices()[:4], 2)
+  resumed.restore(jax.device_get(saved.portable_state()), saved.checkpoint_meta(1, 0, True))
+  assert (resumed.plan.pipeline_length, resumed.plan.replicas) == (2, 2)
+
+
 def test_a_mid_epoch_checkpoint_is_refused_where_the_data_shards_differ(tmp_path):
   """Two shards (two hosts' order) saved mid-epoch, resumed with the plain
   loader: the rest of the epoch would repeat and skip samples. At an epoch's
