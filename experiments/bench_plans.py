@@ -1,6 +1,6 @@
 """Train-step time of every plan an elastic run goes through, against the
 baseline's, side by side in one process: ``python -m experiments.bench_plans
---workdir DIR [--perf] [--config.KEY=VALUE ...]``.
+--workdir DIR [--perf] [--timed-model] [--model-only] [--config.KEY=VALUE ...]``.
 
 The plans are those of the main job's config (``experiments.vit_imagenet``,
 embedded default unless overridden): the frozen counts that the α bound of the
@@ -49,11 +49,24 @@ the devices really are parallel, which this machine's shared cores are not;
 it is a model under those assumptions, not a measurement. The run's
 train-time ratio is predicted from it too, with the frozen prefix computed
 (as measured here) and with it read from the cache at every depth.
+
+``--timed-model`` prices the same plans a second time with each stage's
+programs timed on one device, the default backend's first
+(:class:`StageTimes`: on each plan's micro-batch, less the cost of calling
+an empty program), column ``timed``: what FLOPs leave out, a small stage's
+fixed costs (a kernel launch per op on a GPU), is then in. ``--model-only``
+leaves the measurement out: only the plans and the model(s). On a machine
+with fewer devices than ``pipeline.devices`` (one accelerator), the plans
+are then built over as many CPU devices and the stages timed on the
+accelerator: an estimate of what the pipeline would reach on
+``pipeline.devices`` of it, communication left out. Both take the constant
+batch (``train.batch_mode=constant``) only.
 """
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -61,6 +74,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any, Callable
 
 from pipejax import runtime
 
@@ -82,30 +96,51 @@ from pipejax.trainer import Trainer  # noqa: E402
 
 def main(argv=None) -> int:
   argv = list(sys.argv if argv is None else argv)
-  perf = '--perf' in argv[1:]
-  argv = [a for i, a in enumerate(argv) if i == 0 or a != '--perf']
+  own = {flag: flag in argv[1:] for flag, _ in OWN_FLAGS}
+  argv = [a for i, a in enumerate(argv) if i == 0 or a not in own]
+  perf, timed, model_only = own['--perf'], own['--timed-model'], own['--model-only']
+  if perf and model_only:
+    print('error: --perf profiles the measured steps, which --model-only leaves out',
+          file=sys.stderr)
+    return 2
   if perf and shutil.which('perf') is None:
     print('error: --perf needs Linux perf on the PATH (e.g. the linux-perf package)',
           file=sys.stderr)
     return 2
   # The main job's own config file and flags: the same keys, types and checks.
   parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True,
-                                      extra_flags=[PERF_FLAG])
+                                      extra_flags=OWN_FLAGS)
   if parsed is None:
     return 2
   config, workdir = parsed
   try:
-    return _bench(config, workdir, perf)
+    return _bench(config, workdir, perf, timed=timed, model_only=model_only)
   except (elastic.KNOWN_ERRORS + (OSError, PerfError)) as e:  # bad input, the machine: one line
     print(f'error: {e}', file=sys.stderr)
     return 2
 
 
-def _bench(config, workdir: str, perf: bool = False) -> int:
+def _plan_devices(config, model_only: bool) -> list:
+  """The devices the plans are built over: the default backend's; for the
+  model alone on a machine with fewer (one accelerator), as many CPU
+  devices (``runtime.setup`` made 8)."""
+  devices = jax.devices()
+  if model_only and len(devices) < config.pipeline.devices and devices[0].platform != 'cpu':
+    devices = jax.devices('cpu')
+  return devices
+
+
+def _bench(config, workdir: str, perf: bool = False, timed: bool = False,
+           model_only: bool = False) -> int:
   with config.unlocked():
     config.checkpoint.enabled = False
     config.cache.enabled = False
-  elastic.check_config(config, len(jax.devices()))
+  plan_devices = _plan_devices(config, model_only)
+  elastic.check_config(config, len(plan_devices))
+  if config.train.batch_mode != 'constant':
+    raise elastic.ConfigError(
+        'bench_plans takes train.batch_mode=constant only: with per_pipeline a plan\'s batch '
+        'and an epoch\'s steps change with R, which its per-epoch figures do not weigh')
   elastic.check_workdir(workdir, checkpoints_enabled=False, files=('bench_plans.json',))
   data = elastic.resolve_data(config)
   created = elastic.resolve_model(config, data)
@@ -118,10 +153,20 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
     frozen.append(policy.decide(None).result)
   loader = Loader(data.train, config.train.batch_size, seed=config.seed)
   trainer = Trainer(model, created.params, config, workdir, loader, loader,
-                    log=lambda _: None)
+                    devices=plan_devices[:config.pipeline.devices], log=lambda _: None)
   batches = [b for _, b in loader.epoch(0)][:6]
   ids = [i for i, _ in loader.epoch(0)][:6]
   plans = _plans(trainer, frozen, keep_slot_width=False)
+  flops = StageFlops(model, created.params, batches[0])
+  # The model's exchange: the config's, or with 'auto' an accelerator's.
+  exchange = 'ppermute' if config.pipeline.exchange == 'auto' else config.pipeline.exchange
+  batch_sizes = {f: (p, trainer.batch_size(p)) for f, p in plans.items()}
+  modeled = model_figures(batch_sizes, flops, frozen, exchange)
+  times = StageTimes(model, created.params, batches[0]) if timed else None
+  timed_model = timed_model_figures(batch_sizes, times, frozen, exchange) if timed else None
+  if model_only:
+    return _report_model(config, workdir, frozen, plans, trainer, flops, exchange, modeled,
+                         times, timed_model)
   # The plans that keeping the width pads (wider slots than their own):
   padded = {f: p for f, p in _plans(trainer, frozen, keep_slot_width=True).items()
             if p.partition.tables.num_slots != plans[f].partition.tables.num_slots}
@@ -175,11 +220,6 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
   profiles, perf_error = (profile_plans(list(plans), lambda f: run_steps(f, False), workdir)
                           if perf else ({}, None))
   figures = ratios(step, padded_step, frozen, model.num_layers)
-  flops = StageFlops(model, created.params, batches[0])
-  # The model's exchange: the config's, or with 'auto' an accelerator's.
-  exchange = 'ppermute' if config.pipeline.exchange == 'auto' else config.pipeline.exchange
-  modeled = model_figures({f: (p, trainer.batch_size(p)) for f, p in plans.items()}, flops,
-                          frozen, exchange)
   rows = []
   for f, plan in plans.items():
     rows.append({'frozen_layers': f, 'pipeline_length': plan.pipeline_length,
@@ -192,13 +232,12 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
                  'flop_ratio': figures['flop_ratio'][f],
                  'cpu_seconds_per_step': cpu[f], 'context_switches_per_step': switches[f],
                  'cpu_profile_percent': profiles.get(f),
-                 'model_ratio': modeled['ratio'][f],
-                 'model_ratio_cached': modeled['ratio_cached'][f],
-                 'model_utilization': modeled['utilization'][f]})
+                 **_model_row(f, modeled, timed_model)})
   predicted, predicted_padded, limit = (figures[k] for k in (
       'predicted', 'predicted_padded', 'limit'))
   print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"slots":>5} {"step ms":>8} {"ratio":>6} '
-        f'{"FLOP ratio":>10} {"padded ms":>14} {"CPU ms":>7} {"switches":>8} {"model":>6}')
+        f'{"FLOP ratio":>10} {"padded ms":>14} {"CPU ms":>7} {"switches":>8} {"model":>6}'
+        + (f' {"timed":>6}' if timed else ''))
   for r in rows:
     pad = (f'{r["padded_step_seconds"] * 1e3:.1f} ({r["padded_slot_width"]})'
            if r['padded_step_seconds'] is not None else '-')
@@ -207,7 +246,8 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
     print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
           f'{r["micro_batches"]:3d} {r["slot_width"]:5d} {r["step_seconds"] * 1e3:8.1f} '
           f'{r["ratio_to_baseline"]:6.2f} {r["flop_ratio"]:10.2f} {pad:>14} {cpu_ms:>7} '
-          f'{switched:>8} {r["model_ratio"]:6.2f}')
+          f'{switched:>8} {r["model_ratio"]:6.2f}'
+          + (f' {r["timed_model_ratio"]:6.2f}' if timed else ''))
   if profiles:
     print('CPU profile (perf record, % of the samples while the plan\'s steps ran):')
     print(f'{"F":>3} {"K":>3} ' + ' '.join(f'{c:>{len(c)}}' for c in PERF_CATEGORIES))
@@ -217,22 +257,82 @@ def _bench(config, workdir: str, perf: bool = False) -> int:
           f'{shares[c]:>{len(c)}.1f}' for c in PERF_CATEGORIES))
   print(f'frozen layers per epoch {frozen}: predicted train-time ratio {predicted:.3f} '
         f'({predicted_padded:.3f} with freeze.keep_slot_width; FLOP limit {limit:.3f})')
-  print(f'model (ideal parallel devices, {exchange} exchanges, free communication): '
-        f'train-time ratio {modeled["predicted"]:.3f}, {modeled["predicted_cached"]:.3f} with '
-        f'the frozen prefix cached; the baseline\'s devices busy '
-        f'{modeled["utilization"][0]:.0%} of its step')
+  _print_model(exchange, modeled, times, timed_model)
   out = {'command': ' '.join(sys.argv), 'frozen_per_epoch': frozen, 'rows': rows,
          'predicted_train_ratio': predicted,
          'predicted_train_ratio_keep_slot_width': predicted_padded, 'flop_limit_ratio': limit,
-         'model_exchange': exchange, 'model_train_ratio': modeled['predicted'],
-         'model_train_ratio_cached': modeled['predicted_cached'],
-         'stage_flops_per_sample': flops.table()}
+         **_model_json(exchange, flops, modeled, times, timed_model)}
   diskcache.write_atomic(os.path.join(workdir, 'bench_plans.json'),
                          lambda f: json.dump(out, f, indent=2))
   print(f'wrote {workdir}/bench_plans.json')
   if perf_error:
     print(f'error: {perf_error} (the step times are written; no CPU profile)', file=sys.stderr)
     return 2
+  return 0
+
+
+def _model_row(f: int, modeled: dict, timed_model: dict | None) -> dict:
+  """A plan's row's model figures (and the timed model's, or None)."""
+  row = {'model_ratio': modeled['ratio'][f], 'model_ratio_cached': modeled['ratio_cached'][f],
+         'model_utilization': modeled['utilization'][f]}
+  for key in ('ratio', 'ratio_cached', 'utilization'):
+    row[f'timed_model_{key}'] = timed_model[key][f] if timed_model else None
+  return row
+
+
+def _print_model(exchange: str, modeled: dict, times, timed_model: dict | None) -> None:
+  print(f'model (ideal parallel devices, {exchange} exchanges, free communication): '
+        f'train-time ratio {modeled["predicted"]:.3f}, {modeled["predicted_cached"]:.3f} with '
+        f'the frozen prefix cached; the baseline\'s devices busy '
+        f'{modeled["utilization"][0]:.0%} of its step')
+  if timed_model:
+    device = times.device
+    print(f'timed model (stage times on {device.platform} device {device.id}, less a '
+          f'{times.floor * 1e6:.0f} us call): train-time ratio {timed_model["predicted"]:.3f}, '
+          f'{timed_model["predicted_cached"]:.3f} with the frozen prefix cached; the '
+          f'baseline\'s devices busy {timed_model["utilization"][0]:.0%} of its step')
+
+
+def _model_json(exchange: str, flops, modeled: dict, times, timed_model: dict | None) -> dict:
+  out = {'model_exchange': exchange, 'model_train_ratio': modeled['predicted'],
+         'model_train_ratio_cached': modeled['predicted_cached'],
+         'stage_flops_per_sample': flops.table()}
+  if timed_model:
+    out.update({'timed_model_device': f'{times.device.platform}:{times.device.id} '
+                                      f'({times.device.device_kind})',
+                'timed_model_call_floor_seconds': times.floor,
+                'timed_model_train_ratio': timed_model['predicted'],
+                'timed_model_train_ratio_cached': timed_model['predicted_cached'],
+                'stage_seconds': times.table()})
+  return out
+
+
+def _report_model(config, workdir: str, frozen: list[int], plans: dict, trainer, flops,
+                  exchange: str, modeled: dict, times, timed_model: dict | None) -> int:
+  """``--model-only``: the plans, their FLOP ratios and the model(s), no
+  step timed."""
+  blocks = trainer.model.num_layers
+  flop_ratio = {f: (4 * (blocks - f) + f) / (4 * blocks) for f in plans}
+  rows = [{'frozen_layers': f, 'pipeline_length': p.pipeline_length, 'replicas': p.replicas,
+           'micro_batches': p.micro_batches, 'flop_ratio': flop_ratio[f],
+           **_model_row(f, modeled, timed_model)} for f, p in plans.items()]
+  print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"FLOP ratio":>10} {"model":>6} {"cached":>6}'
+        + (f' {"timed":>6} {"cached":>6}' if timed_model else ''))
+  for r in rows:
+    print(f'{r["frozen_layers"]:3d} {r["pipeline_length"]:3d} {r["replicas"]:3d} '
+          f'{r["micro_batches"]:3d} {r["flop_ratio"]:10.2f} {r["model_ratio"]:6.2f} '
+          f'{r["model_ratio_cached"]:6.2f}' + (
+              f' {r["timed_model_ratio"]:6.2f} {r["timed_model_ratio_cached"]:6.2f}'
+              if timed_model else ''))
+  _print_model(exchange, modeled, times, timed_model)
+  limit = sum(flop_ratio[f] for f in frozen) / len(frozen)
+  out = {'command': ' '.join(sys.argv), 'model_only': True, 'frozen_per_epoch': frozen,
+         'plan_devices': f'{len(trainer.devices)} {trainer.devices[0].platform}',
+         'rows': rows, 'flop_limit_ratio': limit,
+         **_model_json(exchange, flops, modeled, times, timed_model)}
+  diskcache.write_atomic(os.path.join(workdir, 'bench_plans.json'),
+                         lambda f: json.dump(out, f, indent=2))
+  print(f'wrote {workdir}/bench_plans.json')
   return 0
 
 
@@ -253,45 +353,45 @@ def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[i
           'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
 
 
-class StageFlops:
-  """Per-sample FLOPs of pipeline stages, from XLA's cost analysis of the
-  stage's units run in a row on the first sample of ``batch``.
+class _StagePrograms:
+  """The programs of pipeline stages: a stage's units run in a row on
+  ``samples`` samples of ``batch`` (repeated when it has fewer), forward, or
+  their ``jax.vjp`` with respect to the parameters and input activations, as
+  the executor's BWD runs it: the forward is recomputed as far as the
+  backward needs it (XLA drops, for one, the output of the stage's last dense
+  layer). Units run with ``train=False``: dropout is left out.
 
   ``kinds`` names a stage's units in order: ``embed``, ``attention``,
   ``mlp``, ``mlp_in`` (a split MLP's first half, last in its stage),
   ``mlp_out`` (its second half, first in the next stage) and ``head`` (with
-  the loss). :meth:`forward` is the stage's forward (the frozen prefix's
-  too); :meth:`backward` is its ``jax.vjp`` with respect to its parameters
-  and input activations, as the executor's BWD runs it: the forward is
-  recomputed as far as the backward needs it (XLA drops, for one, the output
-  of the stage's last dense layer). Units run with ``train=False``: dropout
-  is not counted.
-
-  Raises:
-    ValueError: XLA reports no FLOPs for a stage (a backend without cost
-      analysis).
+  the loss).
   """
 
-  def __init__(self, model: LayeredModel, params, batch):
+  def __init__(self, model: LayeredModel, params, batch, device=None):
     self.model = model
-    self.batch = jax.tree.map(lambda x: x[:1], batch)
+    self.device = device
+    self.batch = batch
     first = functools.partial(jax.tree.map, lambda x: x[0])
     self.params = {'embed': params['embed'], 'attention': first(params['attention']),
                    'mlp': first(params['mlp']), 'head': params['head']}
-    self.hidden = model.embed_fn(params['embed'], self.batch, None, False)
-    self.inner = (model.mlp_in_fn(self.params['mlp'], self.hidden, self.batch, None, False)
-                  if model.can_split_mlp else None)
-    self._costs: dict[tuple, float] = {}
 
-  def forward(self, kinds: tuple[str, ...]) -> float:
-    return self._cost(tuple(kinds), backward=False)
+  def _samples(self, samples: int):
+    """``samples`` samples of the batch (its first ones, repeated as needed)."""
+    def take(x):
+      x = np.asarray(x)
+      return np.resize(x, (samples,) + x.shape[1:]) if len(x) < samples else x[:samples]
+    return jax.tree.map(take, self.batch)
 
-  def backward(self, kinds: tuple[str, ...]) -> float:
-    return self._cost(tuple(kinds), backward=True)
-
-  def _stage(self, kinds: tuple[str, ...]):
-    """``fn(params, activations, batch)``, the stage's units in a row."""
+  def program(self, kinds: tuple[str, ...], backward: bool, samples: int):
+    """``(jitted function, its arguments)`` of the stage's forward or backward
+    on ``samples`` samples. Every input, the cotangent too, is an argument:
+    XLA would fold a constant one, and simplify a product with a constant
+    cotangent."""
     m = self.model
+    batch = self._samples(samples)
+    hidden = m.embed_fn(self.params['embed'], batch, None, False)
+    inner = (m.mlp_in_fn(self.params['mlp'], hidden, batch, None, False)
+             if kinds[0] == 'mlp_out' else None)
 
     def fn(ps, activations, b):
       inner, h = (None, None) if kinds[0] == 'embed' else (
@@ -311,25 +411,46 @@ class StageFlops:
           return m.loss_fn(p, h, b, None, False)[0]
       return h
     ps = tuple(self.params['mlp' if k in ('mlp_in', 'mlp_out') else k] for k in kinds)
-    activations = (() if kinds[0] == 'embed' else (self.inner, self.hidden)
-                   if kinds[0] == 'mlp_out' else (self.hidden,))
-    return fn, ps, activations
+    activations = (() if kinds[0] == 'embed' else (inner, hidden)
+                   if kinds[0] == 'mlp_out' else (hidden,))
+    if backward:
+      cotangent = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype),
+                               jax.eval_shape(fn, ps, activations, batch))
+
+      def vjp(ps, activations, cotangent, b):
+        return jax.vjp(lambda ps, xs: fn(ps, xs, b), ps, activations)[1](cotangent)
+      run, args = vjp, (ps, activations, cotangent, batch)
+    else:
+      run, args = fn, (ps, activations, batch)
+    if self.device is not None:
+      args = jax.device_put(args, self.device)
+    return jax.jit(run), args
+
+
+class StageFlops(_StagePrograms):
+  """FLOPs of pipeline stages (see :class:`_StagePrograms` for ``kinds`` and
+  the programs), from XLA's cost analysis of the stage's program on the first
+  sample of ``batch``, times the samples.
+
+  Raises:
+    ValueError: XLA reports no FLOPs for a stage (a backend without cost
+      analysis).
+  """
+
+  def __init__(self, model: LayeredModel, params, batch):
+    super().__init__(model, params, jax.tree.map(lambda x: x[:1], batch))
+    self._costs: dict[tuple, float] = {}
+
+  def forward(self, kinds: tuple[str, ...], samples: float = 1) -> float:
+    return samples * self._cost(tuple(kinds), backward=False)
+
+  def backward(self, kinds: tuple[str, ...], samples: float = 1) -> float:
+    return samples * self._cost(tuple(kinds), backward=True)
 
   def _cost(self, kinds: tuple[str, ...], backward: bool) -> float:
     if (kinds, backward) not in self._costs:
-      fn, ps, activations = self._stage(kinds)
-      if backward:
-        # Every input, the cotangent too, is an argument: XLA would fold a
-        # constant one, and simplify a product with a constant cotangent.
-        cotangent = jax.tree.map(lambda s: jnp.full(s.shape, 0.5, s.dtype),
-                                 jax.eval_shape(fn, ps, activations, self.batch))
-
-        def vjp(ps, activations, cotangent, b):
-          return jax.vjp(lambda ps, xs: fn(ps, xs, b), ps, activations)[1](cotangent)
-        args = (ps, activations, cotangent, self.batch)
-      else:
-        vjp, args = fn, (ps, activations, self.batch)
-      flops = jax.jit(vjp).lower(*args).compile().cost_analysis().get('flops')
+      run, args = self.program(kinds, backward, 1)
+      flops = run.lower(*args).compile().cost_analysis().get('flops')
       if not flops or flops <= 0:
         raise ValueError(f'XLA reports no FLOPs for a stage of {"+".join(kinds)} '
                          f'on {jax.devices()[0].platform}: the model needs its cost analysis')
@@ -342,6 +463,123 @@ class StageFlops:
     for (kinds, backward), flops in sorted(self._costs.items()):
       out.setdefault('+'.join(kinds), {})['backward' if backward else 'forward'] = flops
     return out
+
+
+def fastest_seconds(run: Callable[[], Any], repeats: int,
+                    clock: Callable[[], float] = time.perf_counter) -> float:
+  """The shortest wall time of ``repeats`` calls of ``run``, each waited
+  for (``jax.block_until_ready`` of what it returns): on a shared machine
+  interference only adds time."""
+  times = []
+  for _ in range(repeats):
+    start = clock()
+    jax.block_until_ready(run())
+    times.append(clock() - start)
+  return float(min(times))
+
+
+class StageTimes(_StagePrograms):
+  """Seconds of pipeline stages on one ``device`` (the default backend's
+  first): the programs of :class:`StageFlops` on a micro-batch of
+  ``samples`` samples, compiled, run :data:`TIMED_WARMUP` times, then the
+  fastest of their timed calls, less ``floor``: the fastest call of a
+  program that does nothing but add 1 to a scalar (the dispatch and
+  synchronisation a standalone call pays, which a stage inside the
+  executor's step does not). Never below 0.
+
+  :meth:`measure` times many programs in interleaved rounds (``rounds`` of
+  ``repeats`` calls each, round-robin), so that a slow spell of a shared
+  machine hits them all; a cost asked for that it did not time is timed
+  on its own.
+
+  Small stages are where the FLOP model is most optimistic: their kernels are
+  short and their fixed costs (a kernel launch each on a GPU) are not in the
+  FLOPs; these times keep them.
+  """
+
+  def __init__(self, model: LayeredModel, params, batch, device=None, repeats: int = 10,
+               rounds: int = 5, clock: Callable[[], float] = time.perf_counter):
+    device = device if device is not None else jax.devices()[0]
+    super().__init__(model, params, batch, device)
+    self.repeats, self.rounds, self.clock = repeats, rounds, clock
+    self._fastest: dict[tuple, float] = {}  # before the floor is taken off
+    one = jax.device_put(np.float32(0.0), device)
+    add = jax.jit(lambda x: x + 1)
+    for _ in range(TIMED_WARMUP):
+      jax.block_until_ready(add(one))
+    self._floor_call = lambda: add(one)
+    self.floor = fastest_seconds(self._floor_call, repeats * rounds, clock)
+
+  def measure(self, requests) -> None:
+    """Times every ``(kinds, backward, samples)`` of ``requests`` (and the
+    floor again) in interleaved rounds."""
+    keys = sorted({(tuple(k), bool(b), max(1, math.ceil(s - 1e-9))) for k, b, s in requests}
+                  - set(self._fastest))
+    calls = {}
+    for key in keys:
+      run, args = self.program(*key)
+      for _ in range(TIMED_WARMUP):
+        jax.block_until_ready(run(*args))
+      calls[key] = functools.partial(run, *args)
+    best = dict.fromkeys(keys, float('inf'))
+    floor = self.floor
+    for _ in range(self.rounds):
+      floor = min(floor, fastest_seconds(self._floor_call, self.repeats, self.clock))
+      for key in keys:
+        best[key] = min(best[key], fastest_seconds(calls[key], self.repeats, self.clock))
+    self.floor = floor
+    self._fastest.update(best)
+
+  def forward(self, kinds: tuple[str, ...], samples: float) -> float:
+    return self._time(tuple(kinds), False, samples)
+
+  def backward(self, kinds: tuple[str, ...], samples: float) -> float:
+    return self._time(tuple(kinds), True, samples)
+
+  def _time(self, kinds: tuple[str, ...], backward: bool, samples: float) -> float:
+    key = (kinds, backward, max(1, math.ceil(samples - 1e-9)))
+    if key not in self._fastest:
+      self.measure([key])
+    return max(0.0, self._fastest[key] - self.floor)
+
+  def table(self) -> dict[str, dict[str, float]]:
+    """Every time measured so far, by the stage's kinds joined with ``+``
+    and the samples (``<kinds> x<samples>``)."""
+    out: dict[str, dict[str, float]] = {}
+    for (kinds, backward, samples), seconds in sorted(self._fastest.items()):
+      out.setdefault(f'{"+".join(kinds)} x{samples}', {})[
+          'backward' if backward else 'forward'] = max(0.0, seconds - self.floor)
+    return out
+
+
+class _Requests:
+  """Stands in for :class:`StageTimes` in a first pass of the model: notes
+  the costs asked for (so that they are timed together), each 1."""
+
+  def __init__(self):
+    self.requests: list[tuple] = []
+
+  def forward(self, kinds, samples=1):
+    self.requests.append((kinds, False, samples))
+    return 1.0
+
+  def backward(self, kinds, samples=1):
+    self.requests.append((kinds, True, samples))
+    return 1.0
+
+
+def timed_model_figures(plans: dict, times: 'StageTimes', frozen: list[int],
+                        exchange: str = 'ppermute') -> dict:
+  """:func:`model_figures` with stage times: every stage program of every plan
+  timed first, together (:meth:`StageTimes.measure`)."""
+  requests = _Requests()
+  model_figures(plans, requests, frozen, exchange)
+  times.measure(requests.requests)
+  return model_figures(plans, times, frozen, exchange)
+
+
+#: Untimed calls of a program before :class:`StageTimes` times it.
+TIMED_WARMUP = 3
 
 
 def stage_kinds(partition) -> list[tuple[str, ...]]:
@@ -361,24 +599,24 @@ def stage_kinds(partition) -> list[tuple[str, ...]]:
 def modeled_step(plan, flops, batch_size: int,
                  exchange: str = 'ppermute') -> tuple[schedule.StepCost, float]:
   """One train step of ``plan`` on ideal devices (the module docstring's
-  model), in FLOPs: the pipelined part's :func:`pipejax.schedule.step_cost`
-  with ``exchange``, and the frozen prefix's forward when it is computed
-  (the step's length is their sum; 0 when nothing is frozen). Each stage's
-  FWD costs ``flops.forward`` of its units (none on the last stage, which
-  fuses it into its BWD), its BWD ``flops.backward``, for
-  ``batch_size / (R · M)`` samples (``flops``: a :class:`StageFlops`); the
+  model), in the unit of ``flops`` (a :class:`StageFlops`: FLOPs, or a
+  :class:`StageTimes`: seconds): the pipelined part's
+  :func:`pipejax.schedule.step_cost` with ``exchange``, and the frozen
+  prefix's forward when it is computed (the step's length is their sum; 0
+  when nothing is frozen). Each stage's FWD costs ``flops.forward(units,
+  samples)`` (none on the last stage, which fuses it into its BWD), its BWD
+  ``flops.backward(units, samples)``, for ``batch_size / (R · M)`` samples; the
   prefix runs ``batch_size`` samples over the plan's ``R · K`` devices."""
   part = plan.partition
   k, samples = part.pipeline_length, batch_size / (plan.replicas * plan.micro_batches)
   kinds = stage_kinds(part)
-  forward = [0.0 if s == k - 1 else samples * flops.forward(c) for s, c in enumerate(kinds)]
-  backward = [samples * flops.backward(c) for c in kinds]
+  forward = [0.0 if s == k - 1 else flops.forward(c, samples) for s, c in enumerate(kinds)]
+  backward = [flops.backward(c, samples) for c in kinds]
   cost = schedule.step_cost(schedule.make(plan.schedule, k, plan.micro_batches), forward,
                             backward, exchange)
   f, prefix = part.num_frozen_layers, 0.0
   if f:
-    prefix = (flops.forward(('embed',) + ('attention', 'mlp') * f)
-              * batch_size / plan.num_devices)
+    prefix = flops.forward(('embed',) + ('attention', 'mlp') * f, batch_size / plan.num_devices)
   return cost, prefix
 
 
@@ -405,6 +643,13 @@ PERF_CATEGORIES = ('kernels', 'OS scheduling', 'OS other', 'memory',
                    'XLA runtime', 'other')
 #: ``--perf`` in ``--help``.
 PERF_FLAG = ('--perf', "also profile each plan's steps with Linux perf (where the CPU time goes)")
+#: The command's own flags, for ``--help``.
+OWN_FLAGS = (PERF_FLAG,
+             ('--timed-model', 'also model the plans with stage times measured on one device '
+                               '(the default backend\'s first), beside the FLOPs'),
+             ('--model-only', 'the model alone, without timing the plans\' steps (on a machine '
+                              'with fewer devices than pipeline.devices, the plans are built '
+                              'over as many CPU devices)'))
 #: Seconds each plan's steps run under ``perf record``.
 PERF_SECONDS = 3.0
 # The compiled programs' kernels: XLA's JIT code and the matrix libraries it calls.

@@ -101,11 +101,11 @@ class _MadeUpFlops:
   UNITS = {'embed': (1, 2), 'attention': (10, 30), 'mlp': (20, 50), 'head': (3, 9),
            'mlp_in': (12, 33), 'mlp_out': (8, 17)}
 
-  def forward(self, kinds):
-    return sum(self.UNITS[k][0] for k in kinds)
+  def forward(self, kinds, samples=1):
+    return samples * sum(self.UNITS[k][0] for k in kinds)
 
-  def backward(self, kinds):
-    return sum(self.UNITS[k][1] for k in kinds)
+  def backward(self, kinds, samples=1):
+    return samples * sum(self.UNITS[k][1] for k in kinds)
 
 
 def _plan(num_layers, frozen, sizes, replicas, micro_batches, name, split=()):
@@ -220,6 +220,45 @@ def test_stage_flops_count_the_dense_layers(kind, tokens, mlp_backward):
   assert flops.backward(('embed',)) > 0
   assert flops.backward(('head',)) > flops.forward(('head',)) > 0
   assert set(flops.table()['embed+attention+mlp']) == {'forward'}
+
+
+def test_stage_times_time_the_programs_the_flops_count_on_each_micro_batch():
+  """``StageTimes`` runs the programs whose FLOPs ``StageFlops`` counts (on
+  one sample, the same count), on the micro-batch's samples (XLA's count
+  grows with them about in proportion: a few ops are per batch); the
+  timed model times every stage of every plan once, together, and prices
+  the plans with those seconds."""
+  created = fixtures.tiny('vit', num_layers=3)
+  batch = fixtures.batch('vit', created.model, 4, seed=0)
+  flops = bench_plans.StageFlops(created.model, created.params, batch)
+  times = bench_plans.StageTimes(created.model, created.params, batch, repeats=2, rounds=2)
+  for kinds in (('embed', 'attention', 'mlp'), ('attention', 'mlp', 'head')):
+    for backward in (False, True):
+      if kinds[-1] == 'head' and not backward:
+        continue
+      def counted(samples):
+        run, args = times.program(kinds, backward, samples)
+        return run.lower(*args).compile().cost_analysis()['flops']
+      per_sample = (flops.backward if backward else flops.forward)(kinds)
+      assert counted(1) == per_sample, (kinds, backward)
+      assert 5.5 * per_sample < counted(6) < 6.5 * per_sample  # more than the batch: repeated
+  base = Plan(Partition(3, 0, (3, 2, 3)), 1, 2, 'gpipe')
+  frozen = Plan(Partition(3, 1, (2, 1, 2)), 1, 2, 'gpipe')
+  figures = bench_plans.timed_model_figures({0: (base, 8), 1: (frozen, 8)}, times, [0, 1])
+  assert set(times.table()) == {
+      'embed+attention+mlp x4', 'attention+mlp x4', 'attention+mlp+head x4', 'attention x4',
+      'mlp+head x4', 'embed+attention+mlp x3'}  # the prefix: 8 samples over 3 devices
+  assert times.table()['attention+mlp+head x4'] == {'backward': pytest.approx(
+      times.backward(('attention', 'mlp', 'head'), 4))}
+  assert times.floor > 0 and all(v >= 0 for c in times.table().values() for v in c.values())
+  assert figures['ratio'][0] == 1.0 and figures['ratio'][1] > figures['ratio_cached'][1] > 0
+  assert 0 < figures['utilization'][0] <= 1
+
+
+def test_fastest_seconds_is_the_shortest_call():
+  ticks = iter([0.0, 0.5, 1.0, 1.2, 2.0, 2.9])  # calls of 0.5, 0.2 and 0.9 s
+  assert bench_plans.fastest_seconds(lambda: None, 3, clock=lambda: next(ticks)) == \
+      pytest.approx(0.2)
 
 
 def test_stage_flops_refuse_a_backend_without_cost_analysis(monkeypatch):
@@ -430,9 +469,45 @@ def test_bench_plans_reports_cpu_switches_and_the_perf_profile(tmp_path):
   assert 'CPU profile (perf record' not in out.stdout
 
 
-def test_bench_plans_help_names_perf():
+def test_bench_plans_help_names_its_flags():
   out = _run('bench_plans', '--help')
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.startswith('usage: python -m experiments.bench_plans --workdir=DIR [--perf] '
-                               '[--config=FILE]')
-  assert f'  {"--perf":<15} {bench_plans.PERF_FLAG[1]}' in out.stdout.splitlines()
+                               '[--timed-model] [--model-only] [--config=FILE]')
+  for flag, what in bench_plans.OWN_FLAGS:
+    assert f'  {flag:<15} {what}' in out.stdout.splitlines()
+
+
+def test_bench_plans_model_only_with_stage_times(tmp_path, capsys):
+  """``--model-only --timed-model``: the plans of a 3-epoch schedule, each
+  priced by the FLOP model and by the timed one, no step timed; ``--perf``
+  beside ``--model-only`` is refused before anything is built."""
+  workdir = tmp_path / 'w'
+  out = _run('bench_plans', f'--workdir={workdir}', '--model-only', '--timed-model',
+             '--config.train.epochs=3')
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads((workdir / 'bench_plans.json').read_text())
+  assert result['model_only'] is True and result['plan_devices'] == '8 cpu'
+  rows = result['rows']
+  assert [r['frozen_layers'] for r in rows] == result['frozen_per_epoch'] == [0, 4, 6]
+  assert all('step_seconds' not in r for r in rows)
+  assert rows[0]['timed_model_ratio'] == rows[0]['model_ratio'] == 1.0
+  for r in rows[1:]:
+    assert r['timed_model_ratio'] > r['timed_model_ratio_cached'] > 0, r
+    assert r['flop_ratio'] == (4 * (12 - r['frozen_layers']) + r['frozen_layers']) / 48
+  assert result['timed_model_train_ratio'] == pytest.approx(
+      np.mean([r['timed_model_ratio'] for r in rows]))
+  assert result['timed_model_device'].startswith('cpu:0 ')
+  timed = result['stage_seconds']
+  assert {'embed+' + '+'.join(['attention', 'mlp'] * f) + ' x4' for f in (4, 6)} <= set(timed)
+  assert 'timed model (stage times on cpu device 0' in out.stdout
+  assert bench_plans.main(['bench_plans', f'--workdir={tmp_path / "v"}', '--perf',
+                           '--model-only']) == 2
+  assert capsys.readouterr().err.strip() == (
+      'error: --perf profiles the measured steps, which --model-only leaves out')
+  assert not os.path.exists(tmp_path / 'v')
+  out = _run('bench_plans', f'--workdir={tmp_path / "v"}', '--model-only',
+             '--config.train.batch_mode=per_pipeline')
+  assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+      'error: bench_plans takes train.batch_mode=constant only'), out.stderr[-2000:]
+  assert not os.path.exists(tmp_path / 'v')
