@@ -64,6 +64,7 @@ batch (``train.batch_mode=constant``) only.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -152,11 +153,15 @@ def _bench(config, workdir: str, perf: bool = False, timed: bool = False,
   for _ in range(epochs - 1):
     frozen.append(policy.decide(None).result)
   loader = Loader(data.train, config.train.batch_size, seed=config.seed)
-  trainer = Trainer(model, created.params, config, workdir, loader, loader,
-                    devices=plan_devices[:config.pipeline.devices], log=lambda _: None)
+  # Plans over CPU devices beside an accelerator: whatever the trainer places
+  # without naming a device goes to the CPU too.
+  beside = plan_devices[0].platform != jax.devices()[0].platform
+  with jax.default_device(plan_devices[0]) if beside else contextlib.nullcontext():
+    trainer = Trainer(model, created.params, config, workdir, loader, loader,
+                      devices=plan_devices[:config.pipeline.devices], log=lambda _: None)
+    plans = _plans(trainer, frozen, keep_slot_width=False)
   batches = [b for _, b in loader.epoch(0)][:6]
   ids = [i for i, _ in loader.epoch(0)][:6]
-  plans = _plans(trainer, frozen, keep_slot_width=False)
   flops = StageFlops(model, created.params, batches[0])
   # The model's exchange: the config's, or with 'auto' an accelerator's.
   exchange = 'ppermute' if config.pipeline.exchange == 'auto' else config.pipeline.exchange
