@@ -544,18 +544,21 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   start = time.perf_counter()
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
-  distributed.check_same_config(config, workdir)
-  devices_available = len(jax.devices())
-  check_config(config, devices_available)
   if not workdir and jax.process_count() > 1:  # before the data and the model load
     raise ConfigError('a run of several processes needs --workdir (the same folder for '
                       'every process)')
+  distributed.check_same_config(config, workdir)
+  devices_available = len(jax.devices())
+  check_config(config, devices_available)
   if jax.process_count() > 1 and task in ('bert_glue', 'bert_squad'):
     # Before the data set is read and tokenized on every process.
     raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
                       f'batches); run it without distributed.coordinator')
   devices = distributed.ordered_devices()[:config.pipeline.devices]
   data = resolve_data(config, task)
+  # 'auto' looks on each host's own disk: every process must have found the same.
+  distributed.check_same_data(config, f'{data.name}, {len(data.train)} training and '
+                                      f'{len(data.eval)} evaluation samples')
   created = resolve_model(config, data, task)
   model = created.model
   if config.freeze.min_active_layers > model.num_layers:
@@ -697,7 +700,7 @@ def _loaders(config, data):
   cap = config.train.max_steps_per_epoch
   processes = jax.process_count()
   shards = config.distributed.data_shards or processes
-  if shards == 1:
+  if shards == 1 and processes == 1:
     return (Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap),
             Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
                    max_steps=cap))

@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.learning_rate = 1e-3
   c.train.weight_decay = 0.05
   c.train.warmup_epochs = 0.25  # short: the first freeze decision comes after epoch 0
-  c.train.max_steps_per_epoch = 0  # 0: whole epochs; > 0 caps them (smoke runs)
+  c.train.max_steps_per_epoch = 0  # 0: whole epochs; > 0 caps them and evaluation (smoke runs)
   c.train.eval_batch_size = 0  # 0: 4 x the starting global batch (forward only)
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.initial_length = 8

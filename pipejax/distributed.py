@@ -148,6 +148,29 @@ def check_same_config(config, workdir: str | None) -> None:
         f'distributed.process_id)')
 
 
+def check_same_data(config, description: str) -> None:
+  """Refuses, on every process at once, a job whose processes resolved
+  different data sets (``description``: the data set's name and sizes as
+  this process found it; ``data.name='auto'`` looks for ImageNet on each
+  host's own disk). Collective with several processes, as
+  :func:`check_same_config`.
+
+  Raises:
+    DistributedError: the processes that differ from process 0.
+  """
+  import jax  # noqa: PLC0415
+  if not is_multi_process(config) or jax.process_count() == 1:
+    return
+  digest = float(int.from_bytes(hashlib.sha256(description.encode()).digest()[:6], 'little'))
+  digests = gather_exact([digest])[:, 0]
+  differ = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
+  if differ:
+    raise DistributedError(
+        f'process{"es" * (len(differ) > 1)} {", ".join(map(str, differ))} found another data '
+        f'set than process 0 (this process: {description}): give every host the same data '
+        f'(data.name, data.data_dir or TFDS_DATA_DIR)')
+
+
 def ordered_devices(devices: Sequence | None = None) -> list:
   """``devices`` (default: all) ordered by process, then by ID: consecutive
   devices share a process, so every mesh row built from them stays in one."""

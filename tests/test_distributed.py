@@ -113,6 +113,42 @@ def test_multi_process_limits_are_one_line(monkeypatch):
     elastic.check_config(config, 8)
 
 
+def test_processes_that_found_different_data_sets_are_refused(monkeypatch):
+  """``data.name='auto'`` looks on each host's disk: one host with ImageNet
+  and one without would train different models into the same collectives."""
+  import jax  # noqa: PLC0415
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.distributed.update(coordinator='localhost:1234', num_processes=2)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  gathered = []
+
+  def gather(values):  # process 1 reports what it found: here the same, then not
+    gathered.append(values[0])
+    return np.array([[values[0]], [values[0] if len(gathered) == 1 else values[0] + 1]])
+
+  monkeypatch.setattr(distributed, 'gather_exact', gather)
+  distributed.check_same_data(config, 'digits, 1437 training and 360 evaluation samples')
+  with pytest.raises(distributed.DistributedError,
+                     match=r'^process 1 found another data set than process 0 \(this process: '
+                           r'digits, 1437 training and 360 evaluation samples\)'):
+    distributed.check_same_data(config, 'digits, 1437 training and 360 evaluation samples')
+  assert gathered[0] == gathered[1]  # the same description, the same digest
+
+
+def test_one_data_shard_for_several_processes_is_refused(monkeypatch):
+  """Each process would read the whole data set and feed it as its part of
+  the global batch: every sample twice."""
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.distributed.data_shards = 1
+  monkeypatch.setattr(elastic.jax, 'process_count', lambda: 2)
+  data = elastic.datasets.digits()
+  with pytest.raises(elastic.ConfigError, match=r'^distributed.data_shards=1 must be a multiple '
+                                                r'of the 2 processes'):
+    elastic._loaders(config, data)
+
+
 @pytest.mark.parametrize('key,value,message', [
     ('coordinator', 'localhost', "must be 'host:port' or 'auto'"),
     ('process_id', 2, r'process_id=2 must be in \[0, num_processes=2\)'),
