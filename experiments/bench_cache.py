@@ -9,7 +9,8 @@ in a fresh process:
 * ``off``     — no cache (``cache.enabled=False``).
 
 With ``--repeats N`` each variant runs N times, interleaved, and the run with
-the median total time represents it (all totals are in the JSON).
+the median total time represents it (of an even N, the faster of the middle
+two; all totals are in the JSON).
 
 A first, unreported run of each variant warms JAX's persistent compilation
 cache and the program store (its key includes the configuration), so no
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
   parser.add_argument('--no-warmup', action='store_true',
                       help='skip the unreported warm-up runs')
   parser.add_argument('--repeats', type=int, default=1,
-                      help='runs per variant, interleaved; the median total is reported')
+                      help='runs per variant, interleaved; the run with the median total is '
+                           'reported (of an even count, the faster of the middle two)')
   args, passthrough = parser.parse_known_args(argv)
   error = start_error(args.workdir, args.repeats, passthrough,
                       'freezes nothing, so no variant would cache')
@@ -180,7 +182,8 @@ def main(argv=None) -> int:
       print(f'{name} (run {repeat + 1}/{args.repeats}) ...', flush=True)
       runs[name].append(_run(os.path.join(args.workdir, f'{name}-{repeat}'),
                              extra + passthrough))
-  # Each variant is represented by its run with the median total time.
+  # Each variant is represented by its run with the median total time (of an
+  # even count, the faster of the middle two: a run, not an average of two).
   results = {name: sorted(r, key=lambda x: x['summary']['total_seconds'])[(len(r) - 1) // 2]
              for name, r in runs.items()}
   off_total = results['off']['summary']['total_seconds']

@@ -365,14 +365,20 @@ def transitions(runner: Runner, workdir: str) -> dict:
   s = full['summary']
   timings = {int(k): v for k, v in s.get('micro_batch_timings', {}).items()}
   rounds = s['micro_batch_rounds']
+
+  def search_seconds(k):
+    """Steps spent on slower M candidates, paid once per K (the first time)."""
+    candidates = timings.pop(k, {})
+    if len(candidates) < 2:
+      return 0.0
+    best = min(candidates.values())
+    return rounds * sum(v - best for v in candidates.values())
+
+  # The starting K's search ran in epoch 0, before any transition.
+  initial_search = search_seconds(int(full['rows'][0]['pipeline_length']))
   rows = []
   for t in s['transitions']:
-    k = int(t['new'].split()[0][2:])
-    search = 0.0
-    if k in timings and len(timings[k]) > 1:  # steps spent on slower M candidates
-      best = min(timings[k].values())
-      search = rounds * sum(v - best for v in timings[k].values())
-      timings.pop(k)  # paid once per K
+    search = search_seconds(int(t['new'].split()[0][2:]))
     rows.append({'epoch': t['epoch'], 'frozen_layers': t['frozen_layers'],
                  'old': t['old'], 'new': t['new'], 'compile_seconds': t['compile_seconds'],
                  'compiled_ahead': t['compiled_ahead'], 'reshard_seconds': t['reshard_seconds'],
@@ -384,7 +390,10 @@ def transitions(runner: Runner, workdir: str) -> dict:
                 ('cache_seconds', 'cache', '.2f'), ('warmup_seconds', 'warm-up', '.2f'),
                 ('micro_batch_search_seconds', 'M search', '.2f'),
                 ('total_seconds', 'total', '.2f')])
+  print(f'  and in epoch 0, before any transition: M search {initial_search:.2f} s '
+        f'(the starting K)')
   payload = {'rows': rows, 'run_total_seconds': s['total_seconds'],
+             'initial_micro_batch_search_seconds': initial_search,
              'compile_cache': runner.compile_cache}
   _write(workdir, 'transitions', payload)
 

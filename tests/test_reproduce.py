@@ -167,19 +167,24 @@ class _FakeRunner(reproduce.Runner):
 
 def test_the_micro_batch_search_is_charged_to_the_first_transition_to_its_k(tmp_path):
   """M is profiled once per K: a second transition to the same K (a freeze
-  event that keeps it) pays no search."""
+  event that keeps it) pays no search; the starting K's search ran in epoch
+  0, before any transition, and is not charged to one that keeps that K."""
   class Twice(_FakeRunner):
     def _execute(self, name, module, args):
       out = super()._execute(name, module, args)
       if out['summary']['transitions']:
-        again = dict(out['summary']['transitions'][0], epoch=1, frozen_layers=3,
-                     old='K=2 R=2 M=2')
-        out['summary']['transitions'].append(again)
+        first = out['summary']['transitions'][0]
+        keeps = dict(first, old='K=4 R=1 M=4', new='K=4 R=1 M=4')  # F 0 -> 1, K stays 4
+        again = dict(first, epoch=1, frozen_layers=3, old='K=2 R=2 M=2')
+        out['summary']['transitions'] = [keeps, first, again]
+        out['summary']['micro_batch_timings']['4'] = {'4': 0.01, '8': 0.06}
       return out
 
-  rows = reproduce.transitions(Twice(), str(tmp_path))['rows']
-  assert [r['new'] for r in rows] == ['K=2 R=2 M=2'] * 2
-  assert [r['micro_batch_search_seconds'] for r in rows] == pytest.approx([3 * 0.02, 0.0])
+  out = reproduce.transitions(Twice(), str(tmp_path))
+  rows = out['rows']
+  assert [r['new'] for r in rows] == ['K=4 R=1 M=4'] + ['K=2 R=2 M=2'] * 2
+  assert [r['micro_batch_search_seconds'] for r in rows] == pytest.approx([0.0, 3 * 0.02, 0.0])
+  assert out['initial_micro_batch_search_seconds'] == pytest.approx(3 * 0.05)
 
 
 def test_parts_on_synthetic_runs(tmp_path):
