@@ -43,7 +43,8 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
   if head not in HEADS:
     raise ValueError(f'unknown BERT head {head!r}; expected one of {HEADS}')
   embeddings = hf_bert.FlaxBertEmbeddings(config)
-  attention = hf_bert.FlaxBertAttention(config)
+  # As HF's FlaxBertLayer builds it: a decoder's self-attention is causal.
+  attention = hf_bert.FlaxBertAttention(config, causal=bool(config.is_decoder))
   intermediate = hf_bert.FlaxBertIntermediate(config)
   output = hf_bert.FlaxBertOutput(config)
   pooler = hf_bert.FlaxBertPooler(config)

@@ -30,6 +30,28 @@ def test_layered_logits_equal_hf(kind):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def test_a_bert_decoder_attends_causally_as_hf_does():
+  """``is_decoder=True``: HF's layers mask attention to later tokens, and so
+  do the layered model's (the last token reaches no earlier output)."""
+  from transformers import FlaxBertModel  # noqa: PLC0415
+  kind = 'bert-classification'
+  config = models.config_for(kind, **fixtures.TINY['bert'], is_decoder=True)
+  created = models.create(kind, config, seed=0)
+  batch = fixtures.batch(kind, created.model, 2, seed=1)
+  batch = dict(batch, attention_mask=np.ones_like(batch['attention_mask']))
+  hidden = np.asarray(created.model.hidden_states(created.params, batch, upto_layer=4))
+  ref = FlaxBertModel(config, _do_init=False)(
+      batch['input_ids'], batch['attention_mask'], batch['token_type_ids'],
+      params=created.model.to_hf(created.params)['bert']).last_hidden_state
+  np.testing.assert_allclose(hidden, ref, atol=1e-5, rtol=0)
+  ids = np.array(batch['input_ids'])
+  ids[:, -1] = (ids[:, -1] + 1) % fixtures.TINY['bert']['vocab_size']
+  later = np.asarray(created.model.hidden_states(created.params, dict(batch, input_ids=ids),
+                                                 upto_layer=4))
+  np.testing.assert_allclose(later[:, :-1], hidden[:, :-1], atol=1e-6, rtol=0)
+  assert not np.allclose(later[:, -1], hidden[:, -1])
+
+
 @pytest.mark.parametrize('kind', ['vit', 'bert-classification', 'bert-question_answering'])
 def test_hf_tree_round_trip_is_exact(kind):
   created = fixtures.tiny(kind)
