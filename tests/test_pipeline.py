@@ -280,22 +280,24 @@ def test_eval_forward_only_matches_sequential():
   assert float(metrics['correct']) == float(ref_metrics['correct'])
 
 
-def test_dropout_is_reproducible_between_forward_and_recompute():
-  """With dropout, FWD and the BWD recompute must draw the same masks: the
-  pipeline's gradient equals autodiff of the same per-micro-batch masks."""
+@pytest.mark.parametrize('replicas,micro', [(4, 1), (2, 2), (1, 4)])
+def test_dropout_is_reproducible_between_forward_and_recompute(replicas, micro):
+  """With dropout, FWD and the BWD recompute must draw the same masks, and
+  every micro-batch of every replica masks of its own (key ``fold_in(rng,
+  r·M + m)``): the pipeline's gradient equals autodiff of those masks."""
   created = fixtures.tiny('vit', num_layers=4, dropout=0.3)
   model, params = created.model, created.params
   partition = part.even(4, 2)
-  pipe = pipeline.Pipeline(model)
+  pipe = pipeline.Pipeline(model, devices=jax.devices()[:2 * replicas])
   stage_params = part.to_stage_params(params, partition)
   batch = fixtures.batch('vit', model, 8, seed=1)
   rng = jax.random.PRNGKey(42)
-  plan = pipeline.Plan(partition, 4, 1, '1f1b')
+  plan = pipeline.Plan(partition, replicas, micro, '1f1b')
   loss, _, grads = pipe.grad_fn(plan, stage_params, train=True)(stage_params, batch, rng)
 
-  def ref(p):  # replica r holds batch rows [2r, 2r+2) and micro-batch key fold_in(rng, r)
-    losses = [model.loss(p, jax.tree.map(lambda a: a[2 * r:2 * r + 2], batch),
-                         rng=jax.random.fold_in(rng, r), train=True)[0] for r in range(4)]
+  def ref(p):  # micro-batch i = r·M + m holds rows [2i, 2i + 2), its key fold_in(rng, i)
+    losses = [model.loss(p, jax.tree.map(lambda a: a[2 * i:2 * i + 2], batch),
+                         rng=jax.random.fold_in(rng, i), train=True)[0] for i in range(4)]
     return sum(losses) / 4
 
   ref_loss, ref_grads = jax.value_and_grad(ref)(params)
