@@ -228,6 +228,26 @@ def test_layer_grad_norms_match_canonical_reference(split):
   np.testing.assert_allclose(got, ref, rtol=1e-5)
 
 
+def test_the_step_sums_every_blocks_gradient_norm_over_the_timestep():
+  """Eq. 1's input: after the epoch's steps, each block's accumulated norm is
+  the sum over the steps of its gradient's norm, against autodiff of the
+  whole model at the parameters each step started from."""
+  trainer, _ = _trainer(_config(policy='pipetransformer', initial_length=4, micro_batches=4))
+  model = trainer.model
+  seen = [jax.device_get(trainer.portable_state()['params'])]
+  trainer.train_epoch(0, _Bar(), after_step=lambda epoch, steps: seen.append(
+      jax.device_get(trainer.portable_state()['params'])))
+  batches = [b for _, b in trainer.train_loader.epoch(0)]
+  assert len(batches) == len(seen) == 4
+  ref = np.zeros(model.num_layers)
+  for params, batch in zip(seen, batches):
+    grads = jax.grad(lambda p, b=batch: model.loss(p, b)[0])(params)
+    ref += [np.sqrt(sum(float(jnp.sum(g[i] ** 2)) for key in ('attention', 'mlp')
+                        for g in jax.tree.leaves(grads[key])))
+            for i in range(model.num_layers)]
+  np.testing.assert_allclose(np.asarray(trainer.state['layer_norms']), ref, rtol=1e-4)
+
+
 def test_a_checkpoint_restores_a_split_mlp_partition():
   trainer, _ = _trainer(_config(initial_length=4))
   assert trainer.plan.partition.split_mlp == (0,)  # (3, 2, 2, 3): mlp.0 split
