@@ -93,3 +93,21 @@ def test_none_policy_and_state_round_trip():
 def test_bad_config(policy, alpha, match):
   with pytest.raises(freeze.FreezeConfigError, match=match):
     freeze.FreezePolicy(policy, 12, alpha)
+
+
+@pytest.mark.parametrize('min_active', [0, 13])
+def test_min_active_layers_out_of_range_is_refused(min_active):
+  """0 would let every block freeze (nothing left to train, no pipeline);
+  more than L cannot be kept."""
+  with pytest.raises(freeze.FreezeConfigError,
+                     match=rf'^freeze.min_active_layers must be in \[1, 12\], got {min_active}$'):
+    freeze.FreezePolicy('schedule', 12, 0.5, min_active_layers=min_active)
+
+
+def test_eq1_needs_one_norm_per_block():
+  policy = freeze.FreezePolicy('pipetransformer', 4, 0.5)
+  with pytest.raises(ValueError, match='needs per-layer gradient norms'):
+    policy.decide(None)
+  with pytest.raises(ValueError, match='expected 4 layer norms, got 3'):
+    policy.decide(np.ones(3))
+  assert policy.state.num_frozen_layers == 0 and policy.state.timestep == 0  # nothing decided
