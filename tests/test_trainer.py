@@ -442,6 +442,32 @@ def test_a_mid_epoch_per_pipeline_checkpoint_is_refused_where_the_plans_batch_di
   assert (resumed.plan.pipeline_length, resumed.plan.replicas) == (2, 2)
 
 
+def test_a_compressed_run_resumed_on_fewer_devices_keeps_its_shorter_pipeline(tmp_path):
+  """Saved at K = 2 (compressed from K0 = 4, R = 4 on 8 devices), resumed on
+  4 devices with the same starting length: K stays 2 (R = 2); the pipeline
+  never grows back to K0 for the frozen blocks it shed."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 64, seed=4)
+
+  def trainer(devices):
+    return Trainer(created.model, created.params, config, str(tmp_path),
+                   Loader(ArraySource(data), 16, seed=0),
+                   Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
+                   devices=devices, log=lambda _: None)
+
+  saved = trainer(jax.devices())
+  sample = next(iter(saved.train_loader.epoch(0)))[1]
+  for epoch in range(2):
+    saved.train_epoch(epoch, _Bar())
+    saved.maybe_transition(epoch, sample)
+  assert (saved.plan.pipeline_length, saved.plan.replicas) == (2, 4)
+  resumed = trainer(jax.devices()[:4])
+  resumed.restore(jax.device_get(saved.portable_state()), saved.checkpoint_meta(1, 0, True))
+  assert (resumed.plan.pipeline_length, resumed.plan.replicas) == (2, 2)
+  assert resumed.plan.partition.num_frozen_layers == saved.plan.partition.num_frozen_layers
+
+
 def test_a_mid_epoch_checkpoint_is_refused_where_the_data_shards_differ(tmp_path):
   """Two shards (two hosts' order) saved mid-epoch, resumed with the plain
   loader: the rest of the epoch would repeat and skip samples. At an epoch's
