@@ -317,6 +317,10 @@ def test_bad_inputs_name_the_value():
   step = pipe.grad_fn(pipeline.Plan(partition, 4, 2), stage_params)
   with pytest.raises(pipeline.PlanError, match='batch size 12 is not divisible by .* = 8'):
     step(stage_params, fixtures.batch('vit', model, 12), jax.random.PRNGKey(0))
+  with pytest.raises(pipeline.PlanError, match=r"^batch arrays disagree on the batch size: "
+                                               r"\{'pixel_values': 8, 'labels': 16\}$"):
+    step(stage_params, {**fixtures.batch('vit', model, 8),
+                        'labels': np.zeros(16, np.int32)}, jax.random.PRNGKey(0))
   with pytest.raises(pipeline.PlanError, match=r"batch lacks \['labels'\]"):
     step(stage_params, {'pixel_values': np.zeros((8, 8, 8, 3), np.float32)},
          jax.random.PRNGKey(0))

@@ -157,6 +157,9 @@ def test_relayout_and_portable_state_gather_the_stages_in_one_collective():
   assert _collectives(move.lower(shapes).compile()) == ['all-gather']
   portable = trainer._portable_compiled_for(trainer.plan, trainer._state_spec())
   assert _collectives(portable) == ['all-gather']
+  # Blocks never unfreeze: a move back is refused before anything is traced.
+  with pytest.raises(ValueError, match='^cannot unfreeze: 3 -> 0$'):
+    autodp.relayout_fn(shapes, new, old, mesh, trainer.optimizer.init)
 
 
 def test_a_freeze_event_that_keeps_k_narrows_the_slots_unless_asked_to_keep_them():
