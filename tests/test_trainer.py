@@ -518,6 +518,23 @@ def test_an_infinite_or_nan_loss_stops_training():
   Trainer._check_finite(1e30, 1, 7)  # large is not diverged
 
 
+def test_a_nan_loss_stops_the_epoch_at_the_next_tenth_step():
+  """The loss is read every 10 steps: an epoch of 12 steps on NaN inputs
+  stops at step 10, not at its end."""
+  created = fixtures.tiny('vit', num_layers=4)
+  data = dict(fixtures.batch('vit', created.model, 192, seed=4))
+  data['pixel_values'] = np.full_like(data['pixel_values'], np.nan)
+  config = _config(policy='none')
+  trainer = Trainer(created.model, created.params, config, '/nonexistent',
+                    Loader(ArraySource(data), 16, seed=0),
+                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
+                    log=lambda _: None)
+  assert trainer.train_loader.steps_per_epoch() == 12
+  with pytest.raises(trainer_lib.LossNotFinite, match=r'^the training loss is nan at step 10 '):
+    trainer.train_epoch(0, _Bar())
+  assert int(trainer.state['step']) == 10
+
+
 @pytest.mark.parametrize('every_steps', [1, 0])
 def test_a_non_finite_gradient_with_a_finite_loss_is_never_checkpointed(monkeypatch,
                                                                         every_steps):
