@@ -415,6 +415,16 @@ def _start_over(workdir: str) -> None:
   _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
 
 
+def _summary_epochs(summary: dict | None) -> int | None:
+  """The epochs a finished run's ``summary.json`` was written for (None
+  when it does not say)."""
+  try:
+    epochs = summary['config']['train']['epochs']
+  except (TypeError, KeyError):
+    return None
+  return epochs if isinstance(epochs, int) else None
+
+
 def _finished_summary(path: str, repair: bool = True) -> dict | None:
   """A finished run's ``summary.json``; None when it cannot be read, and then
   (``repair``) with the file set aside and one line: the run writes it again
@@ -623,6 +633,13 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
         past = trainer.epochs_done > config.train.epochs
         finished = _finished_summary(done, repair=not past) if (
             trainer.epochs_done >= config.train.epochs and os.path.exists(done)) else None
+        summarized = _summary_epochs(finished)
+        if summarized is not None and summarized != trainer.epochs_done:
+          # Of the run before it was extended (and stopped after its last
+          # epoch, before writing its own): not this run's.
+          _log(f'{done} is of the run of {summarized} epochs this one extended to '
+               f'{trainer.epochs_done}: written again for them')
+          finished = None
         if finished is not None:
           accuracy = finished.get('final_eval_accuracy')
           _log(f'{workdir} holds a finished run of {trainer.epochs_done} epochs: nothing to '
@@ -749,6 +766,17 @@ KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.Data
                 resume.CheckpointMismatch, distributed.DistributedError)
 
 
+def _how_to_resume(config, stop: TrainingInterrupted) -> str:
+  """What continues an interrupted run: the same command, unless it would
+  start over (``--config.resume=False``) or nothing was saved."""
+  if stop.checkpoint is None:
+    return 'nothing was saved (checkpoint.enabled=False): the run cannot be resumed'
+  if not config.resume:
+    return ('run the command again without --config.resume=False to resume (with it, the run '
+            'starts over and removes this checkpoint)')
+  return 'run the same command to resume'
+
+
 def main(config, workdir: str | None, task: str) -> int:
   """CLI wrapper: known bad input → one line on stderr and exit code 2; a
   first SIGTERM/SIGINT → save after the current step and exit code 75
@@ -758,7 +786,7 @@ def main(config, workdir: str | None, task: str) -> int:
     try:
       run(config, workdir, task, stop_requested=stop)
     except TrainingInterrupted as e:
-      print(f'interrupted: {e}; run the same command to resume', file=sys.stderr)
+      print(f'interrupted: {e}; {_how_to_resume(config, e)}', file=sys.stderr)
       return resume.EXIT_INTERRUPTED
     except KNOWN_ERRORS as e:
       print(f'error: {e}', file=sys.stderr)

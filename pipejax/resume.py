@@ -37,6 +37,18 @@ EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
 PROGRAM_CHOICES = ('compile_ahead', 'keep_slot_width')
 _EXCLUDED = {'train': ('epochs', 'eval_batch_size'), 'freeze': PROGRAM_CHOICES}
 _SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
+# HF config keys that say which library wrote the config or where it came
+# from, not what the model computes: an upgraded transformers (its
+# ``transformers_version``, ``torch_dtype`` renamed ``dtype``) or a moved
+# checkpoint (``_name_or_path``) must not refuse a resume.
+_HF_BOOKKEEPING = ('transformers_version', 'torch_dtype', 'dtype')
+
+
+def _meaningful(ident: dict[str, Any]) -> dict[str, Any]:
+  """``ident`` less the HF config's bookkeeping keys (see
+  :data:`_HF_BOOKKEEPING`, and those starting with ``_``)."""
+  return {k: v for k, v in ident.items()
+          if not (k.startswith('hf.') and (k[3:].startswith('_') or k[3:] in _HF_BOOKKEEPING))}
 
 
 class CheckpointMismatch(ValueError):
@@ -63,7 +75,7 @@ def identity(config, hf_config: dict) -> dict[str, Any]:
       value = {k: v for k, v in value.items() if k not in _EXCLUDED.get(section, ())}
     picked[section] = value
   picked['hf'] = hf_config
-  return json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str))
+  return _meaningful(json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str)))
 
 
 def fingerprint(ident: dict[str, Any]) -> str:
@@ -78,6 +90,8 @@ def check_identity(meta: dict, ident: dict[str, Any], path: str) -> None:
     raise CheckpointMismatch(f'checkpoint {path} has no valid identity (not written by this '
                              f'version of pipejax); use another --workdir or '
                              f'--config.resume=False to start over')
+  # Checkpoints written before the bookkeeping keys were left out still have them.
+  saved, ident = _meaningful(saved), _meaningful(ident)
   if saved == ident:
     return
   keys = sorted(k for k in set(saved) | set(ident) if saved.get(k) != ident.get(k))

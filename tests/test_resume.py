@@ -346,6 +346,40 @@ def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tm
   assert len(_rows(workdir)) == 1
 
 
+def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tmp_path):
+  """A 1-epoch run extended to 2 that stopped after its second epoch's
+  checkpoint, before writing its summary: the old summary is not the end of
+  the 2-epoch run; the same command writes the right one, training nothing."""
+  workdir = str(tmp_path / 'run')
+  profile = str(tmp_path / 'p.json')
+  first = elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
+  old = open(os.path.join(workdir, 'summary.json')).read()
+  elastic.run(_config(profile, **{'train.epochs': 2}), workdir, task='vit')
+  rows = _rows(workdir)
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    f.write(old)  # as if stopped before the extended run wrote its own
+  again = elastic.run(_config(profile, **{'train.epochs': 2}), workdir, task='vit')
+  assert first['config']['train']['epochs'] == 1
+  assert again['config']['train']['epochs'] == 2
+  assert json.load(open(os.path.join(workdir, 'summary.json')))['config']['train']['epochs'] == 2
+  assert _rows(workdir) == rows  # nothing trained again
+  assert again['final_eval_accuracy'] == rows[-1]['eval_accuracy']
+
+
+def test_the_interrupted_line_says_what_resumes_the_run():
+  """The same command resumes, unless it starts over (--config.resume=False,
+  which would remove the checkpoint just saved) or nothing was saved."""
+  config = vit_imagenet.get_config()
+  saved = TrainingInterrupted(1, 10, '/w/checkpoints/10')
+  assert elastic._how_to_resume(config, saved) == 'run the same command to resume'
+  with config.unlocked():
+    config.resume = False
+  assert elastic._how_to_resume(config, saved).startswith(
+      'run the command again without --config.resume=False to resume')
+  assert elastic._how_to_resume(config, TrainingInterrupted(1, 10, None)) == (
+      'nothing was saved (checkpoint.enabled=False): the run cannot be resumed')
+
+
 def _wait_until_quiet(directory: str, timeout: float = 30.0) -> None:
   """Waits until nothing under ``directory`` changes for 0.5 s. Orbax reports
   a save's first failed item while its other items may still be writing into
@@ -535,6 +569,16 @@ def test_identity_names_the_keys_that_differ():
                                                       r'128 now'):
     resume.check_identity(meta, resume.identity(vit_imagenet.get_config(),
                                                 {'hidden_size': 128}), 'ck')
+  # Another transformers version, or a moved model directory, is the same run,
+  # also against a checkpoint written when the identity still held them.
+  old_hf = {'hidden_size': 64, 'transformers_version': '4.57.6', 'torch_dtype': 'float32',
+            '_name_or_path': '/models/vit'}
+  old = {**ident, **{f'hf.{k}': v for k, v in old_hf.items()}}
+  old_meta = {'identity': old, 'fingerprint': resume.fingerprint(old)}
+  new_hf = {'hidden_size': 64, 'transformers_version': '4.58.0', 'dtype': 'float32',
+            '_name_or_path': '/elsewhere/vit'}
+  resume.check_identity(old_meta, resume.identity(vit_imagenet.get_config(), new_hf), 'ck')
+  assert resume.identity(vit_imagenet.get_config(), new_hf) == ident
 
 
 def test_a_damaged_metrics_line_before_the_last_is_an_error_and_the_file_is_kept(tmp_path):
