@@ -185,7 +185,8 @@ class ProgramStore:
         {'code': code_fingerprint(), 'versions': diskcache.versions(_LIBRARIES),
          'xla_flags': os.environ.get('XLA_FLAGS', ''), 'platform': backend.platform,
          'device_kind': backend.device_kind, 'devices': jax.device_count(),
-         'caller': identity}, sort_keys=True, default=str).encode()).hexdigest()
+         'jax_config': traced_settings(), 'caller': identity},
+        sort_keys=True, default=str).encode()).hexdigest()
     self._machine = machine_fingerprint()[:12]
     if self.directory:
       try:
@@ -264,8 +265,24 @@ class ProgramStore:
     none (quietly) or it cannot be loaded (then reported and removed)."""
     pointer = self.pointer_path(path)
     try:
-      with open(pointer) as f:
-        executable = self.executable_path(f.read().strip())
+      with open(pointer, encoding='ascii') as f:
+        name = f.read().strip()
+    except OSError:  # none kept (or trimmed): compiled from the program
+      return None
+    except ValueError as e:  # a damaged pointer (not the hex name it holds)
+      self._count('executables_unusable')
+      self.log(f'program store: {os.path.basename(pointer)} is unreadable ({type(e).__name__}); '
+               f'removed, compiled from its program')
+      diskcache.remove(pointer)
+      return None
+    if not re.fullmatch(r'[0-9a-f]{40,64}', name):
+      self._count('executables_unusable')
+      self.log(f'program store: {os.path.basename(pointer)} does not name an executable; '
+               f'removed, compiled from its program')
+      diskcache.remove(pointer)
+      return None
+    executable = self.executable_path(name)
+    try:
       with open(executable, 'rb') as f:
         data = f.read()
     except OSError:  # none kept (or trimmed): compiled from the program
@@ -431,11 +448,23 @@ def compile_fresh(lowered, options: dict | None = None) -> tuple[Any, bool]:
   return compiled, seen[_CACHE_HIT_EVENT] == 0 and (seen[_CACHE_REQUEST_EVENT] > 0 or cache_off)
 
 
+#: JAX settings that tracing bakes into a program (precision, the PRNG's
+#: bits, dtypes, the partitioner): part of a stored program's key.
+TRACED_SETTINGS = ('jax_default_matmul_precision', 'jax_enable_x64', 'jax_default_prng_impl',
+                   'jax_threefry_partitionable', 'jax_use_shardy_partitioner')
+
+
+def traced_settings() -> dict[str, str]:
+  return {name: str(getattr(jax.config, name, None)) for name in TRACED_SETTINGS}
+
+
 @functools.lru_cache(maxsize=None)
 def machine_fingerprint() -> str:
   """A hash of what a compiled executable depends on beyond the program:
-  the backend's platform and version and the host CPU's model and features
-  (XLA:CPU compiles for the CPU it runs on)."""
+  the backend's platform and version, the device kind, jax and jaxlib's
+  versions, ``XLA_FLAGS``, and the host CPU's model and features (XLA:CPU
+  compiles for the CPU it runs on). Executables of other versions, flags or
+  devices (sharing a store's folder) are kept apart."""
   client = jax.devices()[0].client
   cpu = {}
   try:
@@ -449,8 +478,10 @@ def machine_fingerprint() -> str:
     pass
   cpu['machine'] = [platform.system(), platform.machine(), platform.processor()]
   return hashlib.sha256(json.dumps(
-      {'platform': client.platform, 'version': client.platform_version, 'cpu': cpu},
-      sort_keys=True).encode()).hexdigest()
+      {'platform': client.platform, 'version': client.platform_version, 'cpu': cpu,
+       'device_kind': jax.devices()[0].device_kind,
+       'versions': diskcache.versions(('jax', 'jaxlib')),
+       'xla_flags': os.environ.get('XLA_FLAGS', '')}, sort_keys=True).encode()).hexdigest()
 
 
 def compiler_options(library_fusions: bool = True) -> dict | None:

@@ -368,6 +368,52 @@ def test_the_key_follows_the_code_and_xla_flags(tmp_path, monkeypatch):
   monkeypatch.undo()
   monkeypatch.setattr(programs, 'code_fingerprint', lambda: 'other code')
   assert ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args) != base
+  monkeypatch.undo()
+  # A setting that tracing bakes in (here the matmul precision) too.
+  with jax.default_matmul_precision('highest'):
+    assert ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args) != base
+  assert ProgramStore(str(tmp_path), {'run': 1}).path('step', ('k',), args) == base
+
+
+def test_executables_of_other_flags_or_versions_are_kept_apart(monkeypatch):
+  """The machine fingerprint (an executable's name and its pointer) follows
+  XLA_FLAGS and jax's versions, which the backend's version does not name on
+  the CPU: a store shared by two such set-ups never serves one's executable
+  to the other."""
+  programs.machine_fingerprint.cache_clear()
+  base = programs.machine_fingerprint()
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
+  programs.machine_fingerprint.cache_clear()
+  assert programs.machine_fingerprint() != base
+  monkeypatch.undo()
+  monkeypatch.setattr(programs.diskcache, 'versions', lambda libs: {lib: '0.0' for lib in libs})
+  programs.machine_fingerprint.cache_clear()
+  assert programs.machine_fingerprint() != base
+  monkeypatch.undo()
+  programs.machine_fingerprint.cache_clear()
+  assert programs.machine_fingerprint() == base
+
+
+@pytest.mark.parametrize('damage', [b'\xff\xfe not text', b'\x00' * 40, b'../../etc/passwd'])
+def test_a_damaged_pointer_is_said_removed_and_the_program_compiled(tmp_path, damage):
+  state, batch = _args()
+  salt = _salt()
+  with _jax_cache(0.0):
+    ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail).compile(
+        'step', ('k',), _spec((state, batch)), _build([], salt), donate_argnums=(0,))
+  [pointer] = _files(tmp_path, POINTER_SUFFIX)
+  with open(pointer, 'wb') as f:
+    f.write(damage)
+  lines = []
+  store = ProgramStore(str(tmp_path), {'run': 1}, log=lines.append)
+  state, batch = _args()
+  with _jax_cache(0.0):
+    got = store.compile('step', ('k',), _spec((state, batch)), pytest.fail,
+                        donate_argnums=(0,))(state, batch)
+  assert int(got[0]['step']) == 1
+  assert len(lines) == 1 and os.path.basename(pointer) in lines[0] and '\n' not in lines[0]
+  assert store.stats()['executables_unusable'] == 1
+  assert open(pointer).read().strip() != damage.decode('latin-1')  # written anew
 
 
 def test_an_executable_is_kept_per_machine_and_per_compile_options(tmp_path, monkeypatch):
