@@ -8,6 +8,13 @@ on every device, the batch split over them (plain data parallelism), no
 freezing. Evaluates after every epoch like the main job; writes
 ``metrics.jsonl`` and ``summary.json`` (same keys as the main job's where they
 apply) into ``--workdir``.
+
+Every step takes ``train.batch_size`` samples in the order of the main job's
+plain loader (one process). Two settings of the main job have no meaning
+here and are not followed: ``train.batch_mode=per_pipeline`` (the main job's
+batch grows with its replicas; this one's stays ``train.batch_size``, with as
+many steps as its samples need) and ``distributed.data_shards`` (the main
+job then draws its order per shard).
 """
 from __future__ import annotations
 

@@ -12,9 +12,13 @@ parameter count; ``pipeline_length`` is after compression
 many devices (and ``--batch-size``, when given) profiled and remembered in
 the file ``--profile`` (its ``pipeline.profile_path``), else the smallest
 candidate (K); ``micro_batches_source`` says which. Memory is
-estimated per device for float32 training with AdamW: the stage's trainable
-parameters with gradients and two moments (16 bytes each), the padding of the
-stage layout, and the replicated frozen prefix and embedding/head (4 bytes).
+estimated per device for float32 training with AdamW, per stage:
+``stage_layout_bytes``, the trainable state a device holds (as many block
+slots as the widest stage, and the replicated embedding and head:
+parameters, gradients and two moments, 16 bytes each), of which
+``trainable_parameter_bytes`` are the stage's own parameters;
+``frozen_prefix_bytes``, the replicated frozen prefix (4 bytes each); and
+``total_bytes``, the two parts a device holds: layout and prefix.
 """
 from __future__ import annotations
 
@@ -147,6 +151,7 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
         'trainable_parameter_bytes': int(16 * stage['parameters']),
         'stage_layout_bytes': int(16 * (padded_stack + shared)),
         'frozen_prefix_bytes': int(4 * frozen),
+        'total_bytes': int(16 * (padded_stack + shared) + 4 * frozen),
         'paper_proxy_parameters': int(stage['parameters'] + (
             lambda_frozen * frozen if stage is stages[0] else 0)),
     })

@@ -345,6 +345,13 @@ def test_plan_cli_vit_b16():
        '--split-mlp-min-gain', '0.07'], capture_output=True, text=True,
       check=True).stdout)['max_stage_parameters'] == 12_582_376
   assert len(plan['estimated_memory_per_stage']) == 8
+  # A device holds its layout (its own stage inside it) and the frozen prefix.
+  from pipejax import plan as plan_lib  # noqa: PLC0415
+  for f in (0, 6):
+    for m in plan_lib.build_plan('vit-b16', 8, f)['estimated_memory_per_stage']:
+      assert m['trainable_parameter_bytes'] <= m['stage_layout_bytes']
+      assert m['total_bytes'] == m['stage_layout_bytes'] + m['frozen_prefix_bytes']
+      assert (m['frozen_prefix_bytes'] == 0) == (f == 0)
   def frozen(layers, *gain):
     out = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
                           '--devices', '8', '--frozen-layers', str(layers), *gain],
@@ -363,7 +370,6 @@ def test_plan_cli_vit_b16():
                         '--devices', '8'], capture_output=True, text=True)
   assert bad.returncode == 2 and "unknown model 'vit-x'" in bad.stderr
   assert 'Traceback' not in bad.stderr
-  from pipejax import plan as plan_lib  # noqa: PLC0415
   with pytest.raises(ValueError, match='--devices must be >= 1, got 0'):
     plan_lib.build_plan('vit-b16', 0, 0)
   with pytest.raises(ValueError, match='--initial-pipeline-length must be >= 1, got 0'):
