@@ -473,7 +473,13 @@ def test_the_run_s_cache_starts_empty_in_a_directory_it_filled_before(tmp_path, 
   config = _config()
   with config.unlocked():
     config.cache.update(memory_mb=0.0, disk_mb=1.0)
-  trainer, _ = _trainer(config)
+  # The trainer's own cache in a folder of this test's (its default workdir
+  # is '/nonexistent', which a root user can create: a leftover of another
+  # version of the code would be refused there).
+  own = _config()
+  with own.unlocked():
+    own.cache.update(memory_mb=0.0, disk_mb=1.0, directory=str(tmp_path / 'trainer'))
+  trainer, _ = _trainer(own)
 
   def cache():
     return make_cache(config, trainer.model, trainer.train_loader.source,
