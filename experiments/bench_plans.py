@@ -59,8 +59,9 @@ leaves the measurement out: only the plans and the model(s). On a machine
 with fewer devices than ``pipeline.devices`` (one accelerator), the plans
 are then built over as many CPU devices and the stages timed on the
 accelerator: an estimate of what the pipeline would reach on
-``pipeline.devices`` of it, communication left out. Both take the constant
-batch (``train.batch_mode=constant``) only.
+``pipeline.devices`` of it, communication left out. ``bench_plans`` takes
+the constant batch (``train.batch_mode=constant``) only: its per-epoch
+figures weigh every epoch alike.
 """
 from __future__ import annotations
 

@@ -405,11 +405,11 @@ def _start_over(workdir: str) -> None:
   checkpoints.check_own(workdir)
   removed = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
   if os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    removed.append('checkpoints/')
+    removed.append('its checkpoints')
   if not removed or jax.process_index() != 0:
     return
   for name in removed:
-    if name != 'checkpoints/':
+    if name != 'its checkpoints':
       os.remove(os.path.join(workdir, name))
   checkpoints.clear(workdir)
   _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
@@ -554,10 +554,12 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   start = time.perf_counter()
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
+  # Together, on every process: a workdir given to some processes only is a
+  # difference of configuration; given to none, the error just below.
+  distributed.check_same_config(config, workdir)
   if not workdir and jax.process_count() > 1:  # before the data and the model load
     raise ConfigError('a run of several processes needs --workdir (the same folder for '
                       'every process)')
-  distributed.check_same_config(config, workdir)
   devices_available = len(jax.devices())
   check_config(config, devices_available)
   if jax.process_count() > 1 and task in ('bert_glue', 'bert_squad'):
@@ -637,8 +639,9 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
         if summarized is not None and summarized != trainer.epochs_done:
           # Of the run before it was extended (and stopped after its last
           # epoch, before writing its own): not this run's.
-          _log(f'{done} is of the run of {summarized} epochs this one extended to '
-               f'{trainer.epochs_done}: written again for them')
+          if not past:
+            _log(f'{done} is of the run of {summarized} epochs this one extended to '
+                 f'{trainer.epochs_done}: written again for them')
           finished = None
         if finished is not None:
           accuracy = finished.get('final_eval_accuracy')

@@ -56,6 +56,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -484,11 +485,12 @@ def _load(path: str) -> dict[str, Any]:
     raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
   if not isinstance(data, dict):
     raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
-  for key, value in data.items():  # a record per configuration, and their descriptions
-    if not isinstance(value, dict):
-      raise NotAProfile(f'{path} is not a micro-batch profile (its key {key[:40]!r} holds '
-                        f'{type(value).__name__}, not an object); it is left as it is')
-  return data
+  for key, value in data.items():  # a record per configuration digest, and descriptions
+    if key != ABOUT and not re.fullmatch(r'[0-9a-f]{16}', key) and not isinstance(value, dict):
+      raise NotAProfile(f'{path} is not a micro-batch profile (its key {key[:40]!r} is no '
+                        f'configuration digest and holds {type(value).__name__}); it is left '
+                        f'as it is')
+  return data  # a damaged record of a digest: re-measured (_choices)
 
 
 class NotAProfile(ValueError):

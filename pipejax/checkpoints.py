@@ -40,6 +40,9 @@ PACKED = 'packed_state'
 
 #: The items of a pipejax checkpoint (:meth:`Checkpoints.save`).
 ITEMS = ('meta', 'state')
+# What orbax writes into every step beside them: a step left with only these
+# (a kill while orbax deleted an old step) is a damaged one of ours.
+_ORBAX_FILES = ('_CHECKPOINT_METADATA', 'commit_success.txt')
 # What pipejax and orbax write under checkpoints/: a step, one set aside, a
 # save in progress (orbax's ``<step>.orbax-checkpoint-tmp-<n>``).
 _OWN = re.compile(r'\d+(\.corrupt(\.\d+)?|\.orbax-checkpoint-tmp.*)?')
@@ -52,8 +55,8 @@ class CheckpointError(RuntimeError):
 def check_own(workdir: str) -> None:
   """Refuses a ``workdir/checkpoints`` holding a folder that orbax would take
   for a step (an integer name) but that is no pipejax checkpoint (non-empty,
-  with neither of :data:`ITEMS`): resuming would set it aside as damaged and
-  keeping the newest checkpoints would delete it.
+  with neither of :data:`ITEMS` nor orbax's own files): resuming would set it
+  aside as damaged and keeping the newest checkpoints would delete it.
 
   Raises:
     CheckpointError: naming the first such folder.
@@ -71,7 +74,7 @@ def check_own(workdir: str) -> None:
       items = sorted(os.listdir(path))
     except OSError:
       continue
-    if items and not set(ITEMS) & set(items):
+    if items and not set(ITEMS + _ORBAX_FILES) & set(items):
       shown = ', '.join(items[:4]) + (', ...' if len(items) > 4 else '')
       raise CheckpointError(f'{path} is not a pipejax checkpoint (it holds {shown}, not '
                             f'{" and ".join(ITEMS)}): move it out of {directory}, or use '

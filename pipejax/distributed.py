@@ -122,7 +122,9 @@ def config_digest(config, workdir: str | None) -> float:
   workdir."""
   flat = config.to_dict()
   flat.get('distributed', {}).pop('process_id', None)
-  text = json.dumps(flat, sort_keys=True, default=str) + '\0' + os.path.abspath(workdir or '')
+  # No workdir is '' on every process (not each one's current directory).
+  text = json.dumps(flat, sort_keys=True, default=str) + '\0' + (
+      os.path.abspath(workdir) if workdir else '')
   return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], 'little'))
 
 

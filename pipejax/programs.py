@@ -96,7 +96,8 @@ POINTER_SUFFIX = '.ref'  # an entry's executable on this machine: its name
 #: The store's own file names (:meth:`ProgramStore.path`, ``pointer_path``,
 #: ``executable_path``): all that trimming it may remove.
 ENTRY_NAME = re.compile(r'\w+-[0-9a-f]{40}(\.jaxexport|\.[0-9a-f]{12}\.ref)'
-                        r'|exec-[0-9a-f]{40}\.xla')
+                        r'|exec-[0-9a-f]{40}\.xla'
+                        r'|\w+-[0-9a-f]{40}\.[0-9a-f]{12}\.xla')  # an older store's executables
 # The layout of an executable's file, part of its name: a file written by an
 # earlier layout is never pointed to (it would be found unusable at every load).
 EXECUTABLE_FORMAT = 3

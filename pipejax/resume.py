@@ -64,9 +64,12 @@ def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
   return out
 
 
-def identity(config, hf_config: dict) -> dict[str, Any]:
+def identity(config, hf_config: dict, bookkeeping: bool = False) -> dict[str, Any]:
   """The flattened config keys (and HF model config, under ``hf.``) that
-  give a checkpoint's state its meaning (see module docstring)."""
+  give a checkpoint's state its meaning (see module docstring); with
+  ``bookkeeping`` the HF config's bookkeeping keys too (AutoCache's disk
+  identity has always held them: left out, every cache written before
+  would be refused)."""
   c = config.to_dict()
   picked = {}
   for section in _SECTIONS:
@@ -75,7 +78,8 @@ def identity(config, hf_config: dict) -> dict[str, Any]:
       value = {k: v for k, v in value.items() if k not in _EXCLUDED.get(section, ())}
     picked[section] = value
   picked['hf'] = hf_config
-  return _meaningful(json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str)))
+  flat = json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str))
+  return flat if bookkeeping else _meaningful(flat)
 
 
 def fingerprint(ident: dict[str, Any]) -> str:

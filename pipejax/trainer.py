@@ -471,19 +471,29 @@ class Trainer:
     with the longest pipeline that fits the devices and the config."""
     saved = meta['plan']
     num_frozen = saved['frozen_layers']
-    k = saved['pipeline_length']
-    if meta['devices'] == self.num_devices and self.num_devices % k == 0:
+    k = self._restored_length(meta)
+    if k == saved['pipeline_length'] and meta['devices'] == self.num_devices:
       split = tuple(saved.get('split_mlp', ()))
       return part.Partition(self.model.num_layers, num_frozen, tuple(saved['stage_sizes']),
                             saved.get('min_slots', 0), split,
                             self.model.mlp_in_keys if split else ())
-    limit = min(k, self.initial_length) if num_frozen else self.initial_length
-    k = max(d for d in range(1, limit + 1) if self.num_devices % d == 0)
     partition = autopipe.partition_for(self.costs, num_frozen, k,
                                        self.config.freeze.lambda_frozen).partition
     self.log(f'  resuming on {self.num_devices} devices (saved on {meta["devices"]}): '
              f'K={saved["pipeline_length"]} -> K={k}')
     return partition
+
+  def _restored_length(self, meta: dict) -> int:
+    """The pipeline length :meth:`_restored_partition` restores: the saved
+    one on the same devices, else the longest that divides these devices
+    and does not exceed the saved one once blocks are frozen (a compressed
+    run never grows back), nor the config's starting length."""
+    saved = meta['plan']
+    k = saved['pipeline_length']
+    if meta['devices'] == self.num_devices and self.num_devices % k == 0:
+      return k
+    limit = min(k, self.initial_length) if saved['frozen_layers'] else self.initial_length
+    return max(d for d in range(1, limit + 1) if self.num_devices % d == 0)
 
   def _data_shards(self) -> int:
     """How many shards the training order is drawn over (1: the plain loader)."""
@@ -495,8 +505,9 @@ class Trainer:
     devices or another ``pipeline.initial_length``): its step count, schedule
     and epoch position are in units of that batch; or when it was saved
     mid-epoch with the samples drawn over another number of data shards (the
-    epoch's order differs). Cheap: callers check the newest checkpoint before
-    restoring anything."""
+    epoch's order differs), or with a plan batch other than the plan restored
+    on these devices takes (``per_pipeline``: its position counts batches).
+    Cheap: callers check the newest checkpoint before restoring anything."""
     saved_shards = meta.get('data_shards', self._data_shards())
     if not meta['epoch_done'] and saved_shards != self._data_shards():
       raise resume.CheckpointMismatch(
@@ -504,6 +515,19 @@ class Trainer:
           f'drawn over {saved_shards} data shard(s), this run draws them over '
           f'{self._data_shards()}: the rest of that epoch would repeat some samples and skip '
           f'others; resume with --config.distributed.data_shards={saved_shards}')
+    c = self.config
+    if not meta['epoch_done']:
+      k = self._restored_length(meta)
+      replicas = autodp.replicas_for(self.num_devices, k) if c.pipeline.autodp else 1
+      mid, here = (autodp.global_batch_size(c.train.batch_size, r, c.train.batch_mode)
+                   for r in (meta['plan']['replicas'], replicas))
+      if mid != here:
+        raise resume.CheckpointMismatch(
+            f'the checkpoint was saved in the middle of epoch {meta["epoch"]}, '
+            f'{meta["step_in_epoch"]} batches of {mid} samples in; on {self.num_devices} '
+            f'devices its plan takes batches of {here} (train.batch_mode=per_pipeline): the '
+            f'rest of that epoch would repeat or skip samples; resume on the '
+            f'{meta["devices"]} devices it was saved on, or from a checkpoint at an epoch\'s end')
     saved_batch = meta.get('starting_batch_size', self.starting_batch_size)
     if saved_batch != self.starting_batch_size:
       raise resume.CheckpointMismatch(
@@ -548,15 +572,6 @@ class Trainer:
     same_plan = same_devices and partition.pipeline_length == meta['plan']['pipeline_length']
     fixed = self.config.pipeline.micro_batches  # a fixed M in the config wins
     self.plan = self._plan(partition, saved_m if same_plan and not fixed else None)
-    saved_batch = autodp.global_batch_size(self.config.train.batch_size,
-                                           meta['plan']['replicas'], self.config.train.batch_mode)
-    if not meta['epoch_done'] and self.batch_size(self.plan) != saved_batch:
-      raise resume.CheckpointMismatch(
-          f'the checkpoint was saved in the middle of epoch {meta["epoch"]}, {meta["step_in_epoch"]} '
-          f'batches of {saved_batch} samples in; on {self.num_devices} devices its plan takes '
-          f'batches of {self.batch_size(self.plan)} (train.batch_mode=per_pipeline): the rest of '
-          f'that epoch would repeat or skip samples; resume on the {meta["devices"]} devices it '
-          f'was saved on, or from a checkpoint at an epoch\'s end')
     self.policy.state = freeze.FreezeState.from_dict(meta['freeze_state'])
     self.transitions = [Transition(**t) for t in meta['transitions']]
     shapes = self._state_shapes(partition)

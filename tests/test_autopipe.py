@@ -212,9 +212,9 @@ def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
                                        log=lines.append)
   assert profile.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)[0] == 8
   assert profile.get(4) == 8
-  assert lines == [f"{path} is not a micro-batch profile (its key 'final_eval_accuracy' holds "
-                   f"float, not an object); it is left as it is; the micro-batch counts are "
-                   f"kept for this run only"]
+  assert lines == [f"{path} is not a micro-batch profile (its key 'final_eval_accuracy' is no "
+                   f"configuration digest and holds float); it is left as it is; the "
+                   f"micro-batch counts are kept for this run only"]
   assert path.read_bytes() == before
   assert sorted(os.listdir(tmp_path)) == ['summary.json', 'summary.json.lock']
   # A damaged profile is set aside and written anew, said in one line too.
@@ -226,6 +226,16 @@ def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
   assert len(lines) == 1 and '\n' not in lines[0] and 'moved to' in lines[0], lines
   assert (tmp_path / 'profile.json.corrupt').read_text() == '{corrupt'
   assert autopipe.MicroBatchProfile(str(damaged), {'model': 'x'}).get(4) == 8
+  # One damaged record of a profile: that configuration profiles again, and
+  # the file stays the profile it is (written back with the new choice).
+  data = json.loads(damaged.read_text())
+  key = next(k for k in data if k != autopipe.ABOUT)
+  damaged.write_text(json.dumps({**data, key: 7}))
+  lines.clear()
+  again = autopipe.MicroBatchProfile(str(damaged), {'model': 'x'}, log=lines.append)
+  assert again.get(4) is None and lines == []
+  again.choose(4, [4, 8], {4: 0.1, 8: 0.2}.get)
+  assert autopipe.MicroBatchProfile(str(damaged), {'model': 'x'}).get(4) == 4
 
 
 def test_a_profile_path_under_home_is_the_users_home_not_a_folder_named_tilde(

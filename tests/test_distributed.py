@@ -500,6 +500,13 @@ def test_processes_started_with_different_configs_are_refused_in_one_line(tmp_pa
     other.distributed.process_id = 1
   assert distributed.config_digest(base, 'w') == distributed.config_digest(other, 'w')
   assert distributed.config_digest(base, 'w') != distributed.config_digest(base, 'elsewhere')
+  # No --workdir: the same on every process, wherever each was started.
+  here, cwd = distributed.config_digest(base, None), os.getcwd()
+  os.chdir(os.path.dirname(cwd) or '/')
+  try:
+    assert distributed.config_digest(base, None) == here != distributed.config_digest(base, 'w')
+  finally:
+    os.chdir(cwd)
 
 
 @JOBS

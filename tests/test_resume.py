@@ -292,6 +292,10 @@ def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_remove
   for name in ('200/default/array.bin', 'notes.txt', '42'):
     with open(os.path.join(folder, name), 'w') as f:
       f.write('mine')
+  # A step of ours that orbax was deleting when killed: only its own file left.
+  os.makedirs(os.path.join(folder, '7'))
+  with open(os.path.join(folder, '7', '_CHECKPOINT_METADATA'), 'w') as f:
+    f.write('{}')
   reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
 
   def tree():
