@@ -212,6 +212,7 @@ def resolve_data(config, task: str = 'vit'):
 
 #: The files a run writes into its workdir (beside ``checkpoints/``).
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
+SAMPLE_IDS = 'sample_ids'  # process_<i>.json of each process of a sharded run
 LOCK_FILE = '.lock'  # held by the run writing the workdir (lock_workdir)
 
 
@@ -404,13 +405,22 @@ def _start_over(workdir: str) -> None:
   refuses, removing nothing, a checkpoint folder of another program's."""
   checkpoints.check_own(workdir)
   removed = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
+  ids = os.path.join(workdir, SAMPLE_IDS)
+  served = sorted(n for n in (os.listdir(ids) if os.path.isdir(ids) else ())
+                  if re.fullmatch(r'process_\d+\.json', n))
+  if served:
+    removed.append(f'{SAMPLE_IDS}/')
   if os.path.isdir(os.path.join(workdir, 'checkpoints')):
     removed.append('its checkpoints')
   if not removed or jax.process_index() != 0:
     return
   for name in removed:
-    if name != 'its checkpoints':
+    if name in RUN_FILES:
       os.remove(os.path.join(workdir, name))
+  for name in served:  # the run's own records; anything else there stays
+    os.remove(os.path.join(ids, name))
+  if served and not os.listdir(ids):
+    os.rmdir(ids)
   checkpoints.clear(workdir)
   _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
 
@@ -745,12 +755,13 @@ def _write_served_ids(workdir: str, train_loader: ShardedLoader, eval_loader: Sh
   sample ID it served and its own AutoCache (``cache``: its counters and the
   IDs it holds, see :meth:`pipejax.frozen_prefix.FrozenPrefix.local_stats`);
   multi-host runs check that hosts read and cache disjoint data."""
-  directory = os.path.join(workdir, 'sample_ids')
+  directory = os.path.join(workdir, SAMPLE_IDS)
   os.makedirs(directory, exist_ok=True)
-  with open(os.path.join(directory, f'process_{jax.process_index()}.json'), 'w') as f:
-    json.dump({'process': jax.process_index(), 'shards': list(train_loader.local_shards),
-               'train': sorted(train_loader.served), 'eval': sorted(eval_loader.served),
-               'cache': cache}, f)
+  record = {'process': jax.process_index(), 'shards': list(train_loader.local_shards),
+            'train': sorted(train_loader.served), 'eval': sorted(eval_loader.served),
+            'cache': cache}
+  diskcache.write_atomic(os.path.join(directory, f'process_{jax.process_index()}.json'),
+                         lambda f: json.dump(record, f))
 
 
 def _describe(model) -> str:

@@ -370,6 +370,26 @@ def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tm
   assert again['final_eval_accuracy'] == rows[-1]['eval_accuracy']
 
 
+def test_starting_over_removes_the_runs_outputs_and_nothing_else(tmp_path):
+  """--config.resume=False: the run files, the processes' sample-ID records and
+  the checkpoints go; a file of the user's, in the workdir or beside the
+  records, stays."""
+  workdir = str(tmp_path)
+  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
+  os.makedirs(os.path.join(workdir, 'sample_ids'))
+  for name in ('process_0.json', 'process_1.json', 'mine.txt'):
+    with open(os.path.join(workdir, 'sample_ids', name), 'w') as f:
+      f.write('{}')
+  with open(os.path.join(workdir, 'notes.txt'), 'w') as f:
+    f.write('mine')
+  ckpt = checkpoints.Checkpoints(workdir)
+  ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
+  ckpt.close()
+  elastic._start_over(workdir)
+  assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
+  assert os.listdir(os.path.join(workdir, 'sample_ids')) == ['mine.txt']
+
+
 def test_the_interrupted_line_says_what_resumes_the_run():
   """The same command resumes, unless it starts over (--config.resume=False,
   which would remove the checkpoint just saved) or nothing was saved."""
