@@ -112,12 +112,19 @@ def test_fused_1f1b_with_both_ops_in_a_tick_equals_sequential(kind, k, sizes, mi
   M = 2 only the last stage does, whose FWD is empty). NaN bubbles."""
   sched = schedule_lib.make('1f1b-fused', k, micro)
   assert (sched.ops[:, 0] == schedule_lib.BOTH).any()
+  _assert_equals_sequential(kind, k, sizes, micro, '1f1b-fused')
+
+
+def _assert_equals_sequential(kind, k, sizes, micro, schedule):
+  """The ``schedule``'s pipeline on 8 // k replicas of ``micro`` micro-batches
+  (NaN in every bubble) gives the sequential model's loss, correct count
+  and gradients."""
   created, partition = _case(kind, k, sizes)
   model, params = created.model, created.params
   batch = fixtures.batch(kind, model, (8 // k) * micro, seed=k)
   pipe = pipeline.Pipeline(model, fill=NAN)
   stage_params = part.to_stage_params(params, partition)
-  loss, metrics, grads = pipe.grad_fn(pipeline.Plan(partition, 8 // k, micro, '1f1b-fused'),
+  loss, metrics, grads = pipe.grad_fn(pipeline.Plan(partition, 8 // k, micro, schedule),
                                       stage_params, train=False)(
       stage_params, batch, jax.random.PRNGKey(0))
   (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
@@ -150,19 +157,7 @@ def test_backwards_of_their_own_micro_batches_without_fused_cells(monkeypatch, k
   bwd = sched.ops == schedule_lib.BWD
   assert (sched.micro_batch_of_backward()[bwd] != sched.micro_batch[bwd]).any()
   monkeypatch.setitem(schedule_lib.SCHEDULES, 'gpipe-fifo', _gpipe_backwards_in_forward_order)
-  created, partition = _case('vit', k, sizes)
-  model, params = created.model, created.params
-  batch = fixtures.batch('vit', model, (8 // k) * 3, seed=k)
-  pipe = pipeline.Pipeline(model, fill=NAN)
-  stage_params = part.to_stage_params(params, partition)
-  loss, metrics, grads = pipe.grad_fn(pipeline.Plan(partition, 8 // k, 3, 'gpipe-fifo'),
-                                      stage_params, train=False)(
-      stage_params, batch, jax.random.PRNGKey(0))
-  (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
-      lambda p: model.loss(p, batch), has_aux=True)(params)
-  assert abs(float(loss) - float(ref_loss)) <= 1e-5
-  assert float(metrics['correct']) == float(ref_metrics['correct'])
-  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  _assert_equals_sequential('vit', k, sizes, 3, 'gpipe-fifo')
 
 
 def test_padded_slots_are_skipped_and_get_exactly_zero_grad():

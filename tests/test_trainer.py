@@ -38,14 +38,17 @@ def _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epo
   return c
 
 
-def _trainer(config, num_layers=4, samples=64):
+def _trainer(config, num_layers=4, samples=64, *, batch=None, workdir='/nonexistent',
+             devices=None, data=None):
+  """A trainer of the tiny ViT on ``samples`` fixed samples (or ``data``),
+  its loaders taking ``batch`` (default ``train.batch_size``) a step."""
   created = fixtures.tiny('vit', num_layers=num_layers)
-  data = fixtures.batch('vit', created.model, samples, seed=4)
-  loader = Loader(ArraySource(data), config.train.batch_size, seed=0)
-  evals = Loader(ArraySource(data), config.train.batch_size, shuffle=False,
-                 drop_remainder=False)
-  return Trainer(created.model, created.params, config, '/nonexistent', loader, evals,
-                 log=lambda _: None), data
+  data = fixtures.batch('vit', created.model, samples, seed=4) if data is None else data
+  batch = batch or config.train.batch_size
+  loader = Loader(ArraySource(data), batch, seed=0)
+  evals = Loader(ArraySource(data), batch, shuffle=False, drop_remainder=False)
+  return Trainer(created.model, created.params, config, workdir, loader, evals,
+                 devices=devices, log=lambda _: None), data
 
 
 class _Bar:
@@ -394,12 +397,7 @@ def test_per_pipeline_without_autodp_counts_the_schedule_in_its_own_steps(tmp_pa
   with config.unlocked():
     config.train.update(batch_mode='per_pipeline', batch_size=8, warmup_epochs=0.5)
     config.pipeline.autodp = False
-  created = fixtures.tiny('vit', num_layers=4)
-  data = fixtures.batch('vit', created.model, 64, seed=4)
-  trainer = Trainer(created.model, created.params, config, str(tmp_path),
-                    Loader(ArraySource(data), 8, seed=0),
-                    Loader(ArraySource(data), 8, shuffle=False, drop_remainder=False),
-                    log=lambda _: None)
+  trainer, _ = _trainer(config, workdir=str(tmp_path))
   assert (trainer.plan.replicas, trainer.starting_batch_size, trainer.steps_per_epoch) == (1, 8, 8)
   before = jax.device_get(trainer.portable_state()['params'])
   trainer.train_epoch(0, _Bar())
@@ -418,16 +416,11 @@ def test_a_mid_epoch_per_pipeline_checkpoint_is_refused_where_the_plans_batch_di
   config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
   with config.unlocked():
     config.train.update(batch_mode='per_pipeline', batch_size=8)
-  created = fixtures.tiny('vit', num_layers=4)
-  data = fixtures.batch('vit', created.model, 64, seed=4)
 
   def trainer(batch, devices, initial_length):
     with config.unlocked():
       config.pipeline.initial_length = initial_length
-    return Trainer(created.model, created.params, config, str(tmp_path),
-                   Loader(ArraySource(data), batch, seed=0),
-                   Loader(ArraySource(data), batch, shuffle=False, drop_remainder=False),
-                   devices=devices, log=lambda _: None)
+    return _trainer(config, batch=batch, workdir=str(tmp_path), devices=devices)[0]
 
   saved = trainer(16, jax.devices(), 4)
   sample = next(iter(saved.train_loader.epoch(0)))[1]
@@ -450,14 +443,9 @@ def test_a_compressed_run_resumed_on_fewer_devices_keeps_its_shorter_pipeline(tm
   4 devices with the same starting length: K stays 2 (R = 2); the pipeline
   never grows back to K0 for the frozen blocks it shed."""
   config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=3)
-  created = fixtures.tiny('vit', num_layers=4)
-  data = fixtures.batch('vit', created.model, 64, seed=4)
 
   def trainer(devices):
-    return Trainer(created.model, created.params, config, str(tmp_path),
-                   Loader(ArraySource(data), 16, seed=0),
-                   Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
-                   devices=devices, log=lambda _: None)
+    return _trainer(config, workdir=str(tmp_path), devices=devices)[0]
 
   saved = trainer(jax.devices())
   sample = next(iter(saved.train_loader.epoch(0)))[1]
@@ -525,10 +513,7 @@ def test_a_nan_loss_stops_the_epoch_at_the_next_tenth_step():
   data = dict(fixtures.batch('vit', created.model, 192, seed=4))
   data['pixel_values'] = np.full_like(data['pixel_values'], np.nan)
   config = _config(policy='none')
-  trainer = Trainer(created.model, created.params, config, '/nonexistent',
-                    Loader(ArraySource(data), 16, seed=0),
-                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
-                    log=lambda _: None)
+  trainer, _ = _trainer(config, data=data)
   assert trainer.train_loader.steps_per_epoch() == 12
   with pytest.raises(trainer_lib.LossNotFinite, match=r'^the training loss is nan at step 10 '):
     trainer.train_epoch(0, _Bar())
@@ -938,12 +923,7 @@ def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy
     config.train.batch_size = 8
     config.freeze.compile_ahead = True
     config.cache.policy = cache_policy
-  created = fixtures.tiny('vit', num_layers=4)
-  data = fixtures.batch('vit', created.model, 64, seed=4)
-  trainer = Trainer(created.model, created.params, config, str(tmp_path),
-                    Loader(ArraySource(data), 16, seed=0),
-                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
-                    log=lambda _: None)
+  trainer, _ = _trainer(config, batch=16, workdir=str(tmp_path))
   bars, frozen_objects, compiled, depths = [], [], [], []
   compile_step, change_depth = trainer._compile_step, trainer.prefix.change_depth  # noqa: SLF001
 
