@@ -318,9 +318,8 @@ def _report_model(config, workdir: str, frozen: list[int], plans: dict, trainer,
   """``--model-only``: the plans, their FLOP ratios and the model(s), no
   step timed."""
   blocks = trainer.model.num_layers
-  flop_ratio = {f: (4 * (blocks - f) + f) / (4 * blocks) for f in plans}
   rows = [{'frozen_layers': f, 'pipeline_length': p.pipeline_length, 'replicas': p.replicas,
-           'micro_batches': p.micro_batches, 'flop_ratio': flop_ratio[f],
+           'micro_batches': p.micro_batches, 'flop_ratio': flop_ratio(f, blocks),
            **_model_row(f, modeled, timed_model)} for f, p in plans.items()]
   print(f'{"F":>3} {"K":>3} {"R":>3} {"M":>3} {"FLOP ratio":>10} {"model":>6} {"cached":>6}'
         + (f' {"timed":>6} {"cached":>6}' if timed_model else ''))
@@ -331,7 +330,7 @@ def _report_model(config, workdir: str, frozen: list[int], plans: dict, trainer,
               f' {r["timed_model_ratio"]:6.2f} {r["timed_model_ratio_cached"]:6.2f}'
               if timed_model else ''))
   _print_model(exchange, modeled, times, timed_model)
-  limit = sum(flop_ratio[f] for f in frozen) / len(frozen)
+  limit = sum(flop_ratio(f, blocks) for f in frozen) / len(frozen)
   out = {'command': ' '.join(sys.argv), 'model_only': True, 'frozen_per_epoch': frozen,
          'plan_devices': f'{len(trainer.devices)} {trainer.devices[0].platform}',
          'rows': rows, 'flop_limit_ratio': limit,
@@ -349,14 +348,18 @@ def ratios(step: dict[int, float], padded_step: dict[int, float], frozen: list[i
   step's ratio to the baseline's and its FLOP ratio (a trained block 4 units,
   a computed frozen one 1), and over the epochs' depths ``frozen`` the
   predicted train-time ratio, with padding, and the FLOP limit's."""
-  def flops(f):
-    return 4 * (blocks - f) + f
   baseline = len(frozen) * step[0]
   return {'ratio_to_baseline': {f: s / step[0] for f, s in step.items()},
-          'flop_ratio': {f: flops(f) / flops(0) for f in step},
+          'flop_ratio': {f: flop_ratio(f, blocks) for f in step},
           'predicted': sum(step[f] for f in frozen) / baseline,
           'predicted_padded': sum(padded_step.get(f, step[f]) for f in frozen) / baseline,
-          'limit': sum(flops(f) for f in frozen) / (len(frozen) * flops(0))}
+          'limit': sum(flop_ratio(f, blocks) for f in frozen) / len(frozen)}
+
+
+def flop_ratio(frozen: int, blocks: int) -> float:
+  """A step's FLOPs with ``frozen`` of ``blocks`` blocks frozen, to the
+  baseline's: a trained block 4 units, a computed frozen one 1."""
+  return (4 * (blocks - frozen) + frozen) / (4 * blocks)
 
 
 class _StagePrograms:
@@ -395,7 +398,9 @@ class _StagePrograms:
     cotangent."""
     m = self.model
     batch = self._samples(samples)
-    hidden = m.embed_fn(self.params['embed'], batch, None, False)
+    # The stage's input activations (a stage that embeds reads the batch).
+    hidden = None if kinds[0] == 'embed' else m.embed_fn(self.params['embed'], batch, None,
+                                                         False)
     inner = (m.mlp_in_fn(self.params['mlp'], hidden, batch, None, False)
              if kinds[0] == 'mlp_out' else None)
 

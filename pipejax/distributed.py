@@ -123,9 +123,29 @@ def config_digest(config, workdir: str | None) -> float:
   flat = config.to_dict()
   flat.get('distributed', {}).pop('process_id', None)
   # No workdir is '' on every process (not each one's current directory).
-  text = json.dumps(flat, sort_keys=True, default=str) + '\0' + (
-      os.path.abspath(workdir) if workdir else '')
+  return _digest(json.dumps(flat, sort_keys=True, default=str) + '\0' + (
+      os.path.abspath(workdir) if workdir else ''))
+
+
+def _digest(text: str) -> float:
+  """48 bits of ``text``'s SHA-256, as a float64 (exact through
+  :func:`gather_exact`)."""
   return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], 'little'))
+
+
+def _differing_processes(config, digest: float) -> list[int]:
+  """The processes whose ``digest`` differs from process 0's (none in a
+  job of one process). Collective with several processes: every process
+  calls it at the same point."""
+  import jax  # noqa: PLC0415
+  if not is_multi_process(config) or jax.process_count() == 1:  # the job initialize joined
+    return []
+  digests = gather_exact([digest])[:, 0]
+  return [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
+
+
+def _processes(differ: list[int]) -> str:
+  return f'process{"es" * (len(differ) > 1)} {", ".join(map(str, differ))}'
 
 
 def check_same_config(config, workdir: str | None) -> None:
@@ -137,17 +157,12 @@ def check_same_config(config, workdir: str | None) -> None:
   Raises:
     DistributedError: the processes that differ from process 0.
   """
-  import jax  # noqa: PLC0415
-  if not is_multi_process(config) or jax.process_count() == 1:  # the job initialize joined
-    return
-  digests = gather_exact([config_digest(config, workdir)])[:, 0]
-  differ = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
+  differ = _differing_processes(config, config_digest(config, workdir))
   if differ:
     raise DistributedError(
-        f'process{"es" * (len(differ) > 1)} {", ".join(map(str, differ))} '
-        f'{"were" if len(differ) > 1 else "was"} started with another configuration or '
-        f'--workdir than process 0: start every process with the same command line (but '
-        f'distributed.process_id)')
+        f'{_processes(differ)} {"were" if len(differ) > 1 else "was"} started with another '
+        f'configuration or --workdir than process 0: start every process with the same '
+        f'command line (but distributed.process_id)')
 
 
 def check_same_data(config, description: str) -> None:
@@ -160,17 +175,12 @@ def check_same_data(config, description: str) -> None:
   Raises:
     DistributedError: the processes that differ from process 0.
   """
-  import jax  # noqa: PLC0415
-  if not is_multi_process(config) or jax.process_count() == 1:
-    return
-  digest = float(int.from_bytes(hashlib.sha256(description.encode()).digest()[:6], 'little'))
-  digests = gather_exact([digest])[:, 0]
-  differ = [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
+  differ = _differing_processes(config, _digest(description))
   if differ:
     raise DistributedError(
-        f'process{"es" * (len(differ) > 1)} {", ".join(map(str, differ))} found another data '
-        f'set than process 0 (this process: {description}): give every host the same data '
-        f'(data.name, data.data_dir or TFDS_DATA_DIR)')
+        f'{_processes(differ)} found another data set than process 0 (this process: '
+        f'{description}): give every host the same data (data.name, data.data_dir or '
+        f'TFDS_DATA_DIR)')
 
 
 def ordered_devices(devices: Sequence | None = None) -> list:

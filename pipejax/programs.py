@@ -270,16 +270,12 @@ class ProgramStore:
         name = f.read().strip()
     except OSError:  # none kept (or trimmed): compiled from the program
       return None
-    except ValueError as e:  # a damaged pointer (not the hex name it holds)
-      self._count('executables_unusable')
-      self.log(f'program store: {os.path.basename(pointer)} is unreadable ({type(e).__name__}); '
-               f'removed, compiled from its program')
-      diskcache.remove(pointer)
-      return None
+    except ValueError:  # not text: damaged, as a name that is not hex below
+      name = ''
     if not re.fullmatch(r'[0-9a-f]{40,64}', name):
       self._count('executables_unusable')
-      self.log(f'program store: {os.path.basename(pointer)} does not name an executable; '
-               f'removed, compiled from its program')
+      self.log(f'program store: {os.path.basename(pointer)} does not name an executable '
+               f'(damaged); removed, compiled from its program')
       diskcache.remove(pointer)
       return None
     executable = self.executable_path(name)

@@ -247,10 +247,9 @@ class Trainer:
     self.pipe = pipeline.Pipeline(model, devices=self.devices,
                                   exchange=c.pipeline.get('exchange', 'auto'))
     # The learning-rate schedule's unit: a step of the starting global batch
-    # (of the starting plan's replicas: one without AutoDP).
+    # (of the starting plan's replicas).
     self.starting_batch_size = autodp.global_batch_size(
-        c.train.batch_size, self.num_devices // self.initial_length if c.pipeline.autodp else 1,
-        c.train.batch_mode)
+        c.train.batch_size, self._replicas(self.initial_length), c.train.batch_mode)
     self.steps_per_epoch = dataclasses.replace(
         train_loader, batch_size=self.starting_batch_size).steps_per_epoch()
     # What the programs of this run are traced from, besides the code and
@@ -299,11 +298,17 @@ class Trainer:
     self._wall_offset, self._run_start = 0.0, time.perf_counter()
 
   # -- plans -------------------------------------------------------------------
+  def _replicas(self, pipeline_length: int) -> int:
+    """R for a pipeline of length K: N / K, or without AutoDP (an ablation)
+    1, one pipeline on K devices while the rest idle."""
+    if not self.config.pipeline.autodp:
+      return 1
+    return autodp.replicas_for(self.num_devices, pipeline_length)
+
   def _plan(self, partition: part.Partition, micro_batches: int | None,
             initial: bool = False) -> pipeline.Plan:
     k = partition.pipeline_length
-    # Without AutoDP (an ablation) one pipeline runs on K devices; the rest idle.
-    replicas = autodp.replicas_for(self.num_devices, k) if self.config.pipeline.autodp else 1
+    replicas = self._replicas(k)
     m = micro_batches or self.config.pipeline.micro_batches or k
     plan = pipeline.Plan(partition, replicas, m, self.config.pipeline.schedule)
     per_replica = self.batch_size(plan) // replicas
@@ -517,10 +522,9 @@ class Trainer:
           f'others; resume with --config.distributed.data_shards={saved_shards}')
     c = self.config
     if not meta['epoch_done']:
-      k = self._restored_length(meta)
-      replicas = autodp.replicas_for(self.num_devices, k) if c.pipeline.autodp else 1
       mid, here = (autodp.global_batch_size(c.train.batch_size, r, c.train.batch_mode)
-                   for r in (meta['plan']['replicas'], replicas))
+                   for r in (meta['plan']['replicas'],
+                             self._replicas(self._restored_length(meta))))
       if mid != here:
         raise resume.CheckpointMismatch(
             f'the checkpoint was saved in the middle of epoch {meta["epoch"]}, '
