@@ -524,7 +524,11 @@ def run(config, workdir: str | None, task: str,
   refused.
   """
   with contextlib.ExitStack() as held:
-    return _run(config, workdir, task, stop_requested, held)
+    try:
+      return _run(config, workdir, task, stop_requested, held)
+    except BaseException:
+      distributed.wait_if_leaving()  # another process failed: its line ends this one
+      raise
 
 
 def lock_workdir(workdir: str, held: contextlib.ExitStack,
@@ -564,6 +568,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   start = time.perf_counter()
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
+  distributed.watch_for_failures(_checkpoint_dir(workdir))  # another process's error ends this one
   # Together, on every process: a workdir given to some processes only is a
   # difference of configuration; given to none, the error just below.
   distributed.check_same_config(config, workdir)
@@ -780,6 +785,10 @@ KNOWN_ERRORS = (ConfigError, TrainingDiverged, CacheMismatchError, datasets.Data
                 resume.CheckpointMismatch, distributed.DistributedError)
 
 
+def _checkpoint_dir(workdir: str | None) -> str | None:
+  return os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
+
+
 def _how_to_resume(config, stop: TrainingInterrupted) -> str:
   """What continues an interrupted run: the same command, unless it would
   start over (``--config.resume=False``) or nothing was saved."""
@@ -802,19 +811,24 @@ def main(config, workdir: str | None, task: str) -> int:
     except TrainingInterrupted as e:
       print(f'interrupted: {e}; {_how_to_resume(config, e)}', file=sys.stderr)
       return resume.EXIT_INTERRUPTED
-    except KNOWN_ERRORS as e:
+    # The machine's files (a full disk, a removed directory) too: one line. With
+    # several processes the others are told (they would wait for this one).
+    except (*KNOWN_ERRORS, OSError) as e:
       print(f'error: {e}', file=sys.stderr)
-      return 2
-    except OSError as e:  # the machine's files (a full disk, a removed directory): one line
-      print(f'error: {e}', file=sys.stderr)
+      distributed.tell_job_of_error(str(e))
       return 2
     except KeyboardInterrupt:
       print('aborted (nothing saved after the last checkpoint)', file=sys.stderr)
+      distributed.tell_job_of_error('aborted (a second interrupt)')
       return resume.EXIT_ABORTED
     except jax.errors.JaxRuntimeError as e:
       # Several processes: one line, no hang at exit.
-      distributed.exit_if_peer_lost(
-          e, os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None)
+      distributed.exit_if_peer_lost(e, _checkpoint_dir(workdir))
+      raise
+    except Exception as e:  # a bug: the other processes told, then its traceback
+      first = (str(e).strip().splitlines() or [''])[0][:200]
+      distributed.tell_job_of_error(f'{type(e).__name__}: {first} (the traceback is in that '
+                                    f'process\'s output)')
       raise
   if stop.requested:  # it came after the last step: nothing was cut short
     _log('the signal came after the last step: the run finished and its outputs are '
@@ -985,6 +999,5 @@ def cli(config_file: str, task: str) -> int:
     return 2
   if distributed.is_multi_process(config) and not os.environ.get(distributed.SUPERVISED_ENV):
     # Train in a child, so that a lost peer ends this process in one line.
-    ckpt = os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
-    return distributed.supervise(sys.orig_argv, config.distributed, ckpt)
+    return distributed.supervise(sys.orig_argv, config.distributed, _checkpoint_dir(workdir))
   return main(config, workdir, task)

@@ -20,10 +20,16 @@ Failure: when a process dies, JAX's coordination service notices (a closed
 connection at once, a silent host after ``heartbeat_timeout_seconds``) and
 aborts every other process from C++ with a stack trace. :func:`supervise` runs
 the training in a child process and turns that into one line naming the last
-checkpoint, so that relaunching the same command resumes the job.
+checkpoint, so that relaunching the same command resumes the job. A process
+that stops with an error of its own (bad input on its host, a full disk, a
+bug) tells the others through the coordination service before it exits
+(:func:`tell_job_of_error`); they stop within seconds, in one line that
+names that process and its error (:func:`watch_for_failures`), instead of
+waiting in their next collective until the heartbeat times out.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import json
@@ -32,6 +38,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:  # annotations only: functions import numpy and JAX where they use them
@@ -42,6 +49,12 @@ SUPERVISED_ENV = 'PIPEJAX_SUPERVISED'  # set in the child that trains
 _PEER_LOST = re.compile(r'heartbeat timeout|detected fatal errors|Polled an error from coordination'
                         r'|coordination service|Socket closed|Connection reset|Gloo')
 _ABSL_LINE = re.compile(r'^[EFW]\d{4} \d\d:\d\d:\d\d')
+# A key in the coordination service's key-value store (it lives as long as the
+# job): a failed process's one-line error.
+_FAILED = 'pipejax/failed/'  # + the failed process's index
+_failing = threading.Event()  # set once this process ends with its own error
+_leaving = threading.Event()  # set once another process's error ends this one
+_leave_lock = threading.Lock()  # held by whichever thread ends this process for that
 
 
 class DistributedError(ValueError):
@@ -277,9 +290,9 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   when a peer is lost: from the first such line on, stderr is kept in
   ``<checkpoint_dir>/../process_<id>.crash.log`` and replaced by one line
   (exit code 3) naming the last checkpoint, or saying that the job could not
-  be joined. A child that stopped with its
-  own one-line error (bad input, exit code 2) keeps it, without the
-  runtime's report of its early exit.
+  be joined. A child that stopped with its own one-line error (bad input,
+  exit code 2; another process's error, exit code 3) keeps it, without the
+  runtime's report.
   """
   env = dict(os.environ, **{SUPERVISED_ENV: '1'})
   child = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE,
@@ -294,9 +307,13 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   lost = own_error = False
   for line in iter(child.stderr.readline, b''):
     text = line.decode(errors='replace')
-    own_error = own_error or (not lost and text.startswith('error: '))
+    # The child's own one-line error passes, also after the runtime's report
+    # (a line saying that another process failed). A progress bar before it
+    # ends its line with '\r', not '\n'.
+    own = text.rsplit('\r', 1)[-1].startswith('error: ')
+    own_error = own_error or own
     lost = lost or bool(_ABSL_LINE.match(text) and _PEER_LOST.search(text))
-    if lost:
+    if lost and not own:
       swallowed.append(line)
     else:
       sys.stderr.buffer.write(line)
@@ -337,25 +354,164 @@ def exit_if_peer_lost(error: Exception, checkpoint_dir: str | None = None) -> No
   """With several processes, a failed computation (a collective whose peer
   is gone) ends this process in one line naming the newest checkpoint in
   ``checkpoint_dir``, with exit code 3, without the exit handlers
-  (``jax.distributed.shutdown`` would wait for the lost peer)."""
+  (``jax.distributed.shutdown`` would wait for the lost peer). Where the
+  process that failed first said why (:func:`tell_job_of_error`), the line
+  names it and its error, as :func:`watch_for_failures` does."""
   import jax  # noqa: PLC0415
   if jax.process_count() == 1:
     return
+  wait_if_leaving()
+  me = jax.process_index()
+  client = _client()
+  failures = _peer_failures(client, me)
+  if failures:
+    _leave(me, failures, checkpoint_dir)
   detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-  print(f'error: process {jax.process_index()} stopped: a computation across processes failed '
-        f'({detail}); another process probably died; last checkpoint: '
-        f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every host to '
-        f'resume', file=sys.stderr, flush=True)
-  sys.stdout.flush()
+  _print_flushed(f'error: process {me} stopped: a computation across processes failed '
+                 f'({detail}); another process probably died; last checkpoint: '
+                 f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every '
+                 f'host to resume')
   os._exit(3)  # noqa: SLF001 - see the docstring
+
+
+def _print_flushed(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+
+
+def _client():
+  """The job's client of JAX's coordination service; None in a single
+  process (or before :func:`initialize` joined a job)."""
+  try:
+    from jax._src import distributed as jax_distributed  # noqa: PLC0415
+  except ImportError:
+    return None
+  client = getattr(getattr(jax_distributed, 'global_state', None), 'client', None)
+  if client is None:
+    return None
+  import jax  # noqa: PLC0415
+  return client if jax.process_count() > 1 else None
+
+
+def _peer_failures(client, me: int) -> list[tuple[int, str]]:
+  """``[(process, its error)]`` of the other processes that said they end
+  with an error of their own; empty where the coordination service cannot be
+  asked."""
+  if client is None:
+    return []
+  try:
+    entries = client.key_value_dir_get(_FAILED)
+  except Exception:  # noqa: BLE001 - the service is gone with its process: nothing known
+    return []
+  failures = []
+  for key, message in entries:
+    index = key.rsplit('/', 1)[-1]
+    if index.isdigit() and int(index) != me:
+      failures.append((int(index), message))
+  return sorted(failures)
+
+
+def tell_job_of_error(message: str) -> None:
+  """Tells the other processes of a job that this one ends with an error of
+  its own (``message``: the error, already printed here; its first line is
+  sent); a no-op with one process.
+
+  They would otherwise wait for this process in their next collective until
+  the heartbeat timed out, then blame a lost peer. Their
+  :func:`watch_for_failures` reads the message from the coordination service
+  and ends them; this process then exits as usual, and JAX's shutdown at exit
+  waits for them to leave the job with it.
+  """
+  client = _client()
+  if client is None:
+    return
+  import jax  # noqa: PLC0415
+  _failing.set()
+  first = (message.strip().splitlines() or [''])[0][:500]
+  try:
+    client.key_value_set(f'{_FAILED}{jax.process_index()}', first)
+  except Exception:  # noqa: BLE001 - no service (its process died): nobody to tell
+    pass
+
+
+def watch_for_failures(checkpoint_dir: str | None, interval_seconds: float = 0.5,
+                       settle_seconds: float = 2.0) -> Callable[[], None] | None:
+  """With several processes, starts a daemon thread that ends this process
+  (exit code 3) in one line as soon as another process says that it ends with
+  an error of its own (:func:`tell_job_of_error`): the line names that
+  process, its error and the newest checkpoint in ``checkpoint_dir``. Returns
+  the function that stops the thread, which runs at this process's exit (an
+  exit that began first wins); None with one process, where nothing starts.
+
+  The thread asks the coordination service every ``interval_seconds``. It
+  gives this process ``settle_seconds`` to fail as well before it acts: a
+  refusal that every process reaches together (a collective check) ends each
+  one with its own line. (A refusal that processes reach more than that apart
+  ends the later ones with the first one's line, exit code 3.) It leaves the
+  job with JAX's shutdown, which the failed process waits for at its exit,
+  while this process's main thread may wait in a collective that never ends.
+  """
+  client = _client()
+  if client is None:
+    return None
+  import jax  # noqa: PLC0415
+  me = jax.process_index()
+  stopped = threading.Event()
+
+  def stop() -> None:  # blocks for good where the thread is leaving already
+    with _leave_lock:
+      stopped.set()
+
+  atexit.register(stop)  # runs before JAX's shutdown (registered at its import)
+
+  def watch() -> None:
+    while not stopped.wait(interval_seconds) and not _failing.is_set():
+      failures = _peer_failures(client, me)
+      if failures and not _failing.wait(settle_seconds):  # else: its own error ends it
+        _leave(me, failures, checkpoint_dir, unless=stopped)
+
+  threading.Thread(target=watch, name='pipejax-peer-failures', daemon=True).start()
+  return stop
+
+
+def _leave(me: int, failures: list[tuple[int, str]], checkpoint_dir: str | None,
+           unless: threading.Event | None = None) -> None:
+  """Ends this process (exit code 3) in one line naming the ``failures`` of
+  other processes, once, from whichever thread comes first; returns only if
+  ``unless`` was set (this process is exiting already)."""
+  with _leave_lock:
+    if unless is not None and unless.is_set():
+      return
+    _leaving.set()
+    try:
+      # On a line of its own, after any progress bar.
+      causes = '; '.join(f'process {p} failed: {m}' for p, m in failures)
+      _print_flushed(f'\nerror: process {me} stopped: {causes}; last checkpoint: '
+                     f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on '
+                     f'every host to resume once that is fixed')
+      import jax  # noqa: PLC0415
+      jax.distributed.shutdown()  # what the failed process waits for at its exit
+    except BaseException:  # noqa: BLE001 - the job is gone already; leave all the same
+      pass
+    finally:
+      os._exit(3)  # noqa: SLF001 - the main thread may wait in a collective forever
+
+
+def wait_if_leaving() -> None:
+  """Blocks for good if another process's error is ending this one
+  (:func:`_leave` exits the process): the errors that leaving the job raises
+  in this thread must not print over the line that says why."""
+  if _leaving.is_set():
+    threading.Event().wait()
 
 
 def _latest_checkpoint(checkpoint_dir: str | None) -> str:
   """The newest finished orbax step directory (read from the file system: the
   job's runtime is gone)."""
-  if not checkpoint_dir or not os.path.isdir(checkpoint_dir):
+  try:
+    steps = [int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()] if checkpoint_dir else []
+  except OSError:  # none, or unreadable: nothing to name
     return 'none'
-  steps = [int(n) for n in os.listdir(checkpoint_dir) if n.isdigit()]
   return os.path.join(checkpoint_dir, str(max(steps))) if steps else 'none'
 
 

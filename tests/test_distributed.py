@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -233,9 +234,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(workdir, overrides: dict, heartbeat=10, only: dict | None = None):
+def _launch(workdir, overrides: dict, heartbeat=10, only: dict | None = None,
+            env_of: dict | None = None):
   """Starts the main job as 2 processes x 4 fake CPU devices; returns them.
-  ``only``: ``{process: [arguments]}`` given to that process alone."""
+  ``only``: ``{process: [arguments]}`` given to that process alone;
+  ``env_of``: ``{process: {variable: value}}`` likewise."""
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
@@ -245,7 +248,8 @@ def _launch(workdir, overrides: dict, heartbeat=10, only: dict | None = None):
       f'--config.distributed.heartbeat_timeout_seconds={heartbeat}', f'--workdir={workdir}']
   return [subprocess.Popen([sys.executable, '-m', 'experiments.vit_imagenet', *args,
                             *(only or {}).get(p, []),
-                            f'--config.distributed.process_id={p}'], cwd=ROOT, env=env,
+                            f'--config.distributed.process_id={p}'], cwd=ROOT,
+                          env={**env, **(env_of or {}).get(p, {})},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True) for p in (0, 1)]
 
@@ -480,6 +484,173 @@ def test_a_dead_process_stops_the_job_in_one_line(tmp_path, victim):
     assert code == 0, f'process {p}: {stderr[-3000:]}'
   assert f'resuming from {os.path.join(directory, str(steps[-1]))}' in results[0][1]
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1, 2]
+
+
+# On the path of one process only: its training (the supervised child) stops
+# at epoch 1 with a full disk, the kind of error one host meets alone.
+FULL_DISK_AT_EPOCH_1 = """
+import os
+if os.environ.get('PIPEJAX_SUPERVISED'):
+  import pipejax.trainer
+  train_epoch = pipejax.trainer.Trainer.train_epoch
+
+  def failing(self, epoch, *args, **kwargs):
+    if epoch == 1:
+      raise OSError(28, 'No space left on device', '/injected/full-disk')
+    return train_epoch(self, epoch, *args, **kwargs)
+
+  pipejax.trainer.Trainer.train_epoch = failing
+"""
+
+
+@JOBS
+@pytest.mark.parametrize('failing', [1, 0])
+def test_an_error_on_one_process_stops_the_others_in_one_line_naming_it(tmp_path, failing):
+  """One process stops with an error of its own at epoch 1. It must tell
+  the others: they stop in one line that names it and its error, where they
+  used to wait in their next collective until the heartbeat timed out (600 s
+  here, beyond this test's limit) and then blame a lost peer. The failed
+  process keeps its own one-line error (exit 2; a progress bar on stderr hid
+  it from the supervisor, which replaced it with a lost-peer line)."""
+  inject = tmp_path / 'inject'
+  inject.mkdir()
+  (inject / 'sitecustomize.py').write_text(FULL_DISK_AT_EPOCH_1)
+  workdir = str(tmp_path / 'job')
+  job = _launch(workdir, {**SMALL, 'train.epochs': 5}, heartbeat=600,
+                env_of={failing: {'PYTHONPATH': f'{inject}{os.pathsep}{ROOT}'}})
+  results = _finish(job, timeout=240)
+  error = "[Errno 28] No space left on device: '/injected/full-disk'"
+  for code, _, stderr in results:
+    assert 'Traceback' not in stderr and 'Check failure stack trace' not in stderr, stderr[-3000:]
+  code, _, stderr = results[failing]
+  assert (code, stderr.strip().splitlines()[-1]) == (2, f'error: {error}'), stderr[-3000:]
+  other = 1 - failing
+  code, _, stderr = results[other]
+  directory = os.path.join(workdir, 'checkpoints')
+  newest = max(int(n) for n in os.listdir(directory) if n.isdigit())
+  assert (code, stderr.strip().splitlines()[-1]) == (3, (
+      f'error: process {other} stopped: process {failing} failed: {error}; last checkpoint: '
+      f'{os.path.join(directory, str(newest))}; relaunch the same command on every host to '
+      f'resume once that is fixed')), stderr[-3000:]
+  assert [r['epoch'] for r in _rows(workdir)] == [0]
+
+
+class _Store:
+  """The coordination service's key-value store, as the watcher uses it."""
+
+  def __init__(self):
+    self.values = {}
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    assert allow_overwrite or key not in self.values
+    self.values[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+@pytest.fixture
+def watched_job(monkeypatch, capfd):
+  """Process 0 of a 2-process job, with a fake coordination service; JAX's
+  shutdown and ``os._exit`` are recorded (the latter stops the calling thread
+  for good)."""
+  import jax
+  store, events = _Store(), []
+  monkeypatch.setattr(distributed, '_client', lambda: store)
+  monkeypatch.setattr(jax, 'process_index', lambda: 0)
+  for name in ('_failing', '_leaving'):
+    monkeypatch.setattr(distributed, name, threading.Event())
+  monkeypatch.setattr(distributed, '_leave_lock', threading.Lock())
+  monkeypatch.setattr(jax.distributed, 'shutdown', lambda: events.append('shutdown'))
+
+  def exit_(code):
+    events.append(('exit', code))
+    threading.Event().wait()  # as the thread would never come back (a daemon: it stays)
+
+  monkeypatch.setattr(distributed.os, '_exit', exit_)
+  monkeypatch.setattr(distributed, 'atexit', types.SimpleNamespace(register=lambda fn: None))
+  return store, events, capfd
+
+
+def _until(condition, seconds=10.0):
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return condition()
+
+
+def test_another_process_s_error_ends_this_one_in_one_line(watched_job, tmp_path):
+  store, events, capfd = watched_job
+  (tmp_path / 'checkpoints' / '8').mkdir(parents=True)
+  (tmp_path / 'checkpoints' / '16').mkdir()
+  distributed.watch_for_failures(str(tmp_path / 'checkpoints'), interval_seconds=0.01,
+                                 settle_seconds=0.05)
+  time.sleep(0.1)
+  assert events == []  # nothing said: it keeps watching
+  store.key_value_set('pipejax/failed/1', '[Errno 28] No space left on device')
+  assert _until(lambda: ('exit', 3) in events)
+  assert events == ['shutdown', ('exit', 3)]  # it leaves the job, which the failed one waits for
+  assert capfd.readouterr().err.strip().splitlines()[-1] == (
+      f'error: process 0 stopped: process 1 failed: [Errno 28] No space left on device; last '
+      f'checkpoint: {tmp_path / "checkpoints" / "16"}; relaunch the same command on every host '
+      f'to resume once that is fixed')
+  assert distributed._leaving.is_set()
+
+
+def test_a_process_that_fails_too_keeps_its_own_error(watched_job):
+  """A refusal that every process reaches together: this one's own error,
+  coming within the settling time, ends it, not the peer's."""
+  store, events, capfd = watched_job
+  distributed.watch_for_failures(None, interval_seconds=0.01, settle_seconds=5.0)
+  store.key_value_set('pipejax/failed/1', 'a refusal')
+  time.sleep(0.2)  # the watcher has seen it and waits for this process's own error
+  distributed.tell_job_of_error('a refusal\nits second line')
+  time.sleep(0.2)
+  assert events == [] and 'process 1 failed' not in capfd.readouterr().err
+  assert store.values['pipejax/failed/0'] == 'a refusal'  # told in one line
+
+
+def test_a_process_already_exiting_is_not_ended_by_the_watcher(watched_job):
+  store, events, _ = watched_job
+  stop = distributed.watch_for_failures(None, interval_seconds=0.01, settle_seconds=0.3)
+  store.key_value_set('pipejax/failed/1', 'late')
+  time.sleep(0.1)  # seen, settling
+  stop()  # this process's exit began (atexit): its own ending wins
+  time.sleep(0.5)
+  assert events == [] and not distributed._leaving.is_set()
+
+
+def test_one_process_neither_watches_nor_tells(monkeypatch):
+  monkeypatch.setattr(distributed, '_failing', threading.Event())
+  assert distributed.watch_for_failures(None) is None
+  distributed.tell_job_of_error('nothing to tell')
+  assert not distributed._failing.is_set()
+
+
+def test_the_supervisor_keeps_a_child_s_own_error_printed_after_a_progress_bar(tmp_path):
+  """A child that printed its own one-line error after a progress bar (whose
+  line ends in '\\r', not '\\n'), then the runtime's report of a lost peer:
+  the supervisor keeps the error and the child's exit code, and says nothing
+  of a lost peer. (The supervisor runs in a process of its own, without JAX's
+  threads, since it forks the child.)"""
+  child = ('import sys; sys.stderr.write("epoch 1:   0%|  | 0/2\\r          \\r'
+           'error: [Errno 28] No space left on device\\n'
+           'E1129 10:00:00.000000 1 agent.cc:1] Polled an error from coordination service\\n");'
+           ' sys.exit(2)')
+  supervisor = (
+      'import sys, types\n'
+      'from pipejax import distributed\n'
+      'settings = types.SimpleNamespace(coordinator="localhost:1", process_id=1,\n'
+      '    num_processes=2, heartbeat_timeout_seconds=100, initialization_timeout_seconds=300)\n'
+      f'sys.exit(distributed.supervise([sys.executable, "-c", {child!r}], settings,\n'
+      f'                               {str(tmp_path / "checkpoints")!r}))\n')
+  done = subprocess.run([sys.executable, '-c', supervisor], cwd=ROOT, capture_output=True,
+                        text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.strip().splitlines()[-1] == 'error: [Errno 28] No space left on device', (
+      done.stderr)
+  assert 'another process' not in done.stderr
+  assert not os.path.exists(tmp_path / 'process_1.crash.log')
 
 
 @JOBS
