@@ -291,6 +291,13 @@ class Trainer:
                                        c.freeze.lambda_frozen).partition
     self._param_shapes = jax.eval_shape(lambda: params)
     self.plan = self._plan(partition, micro_batches=None, initial=True)
+    batch, devices = self.batch_size(self.plan), self.plan.num_devices
+    if c.freeze.policy != 'none' and batch % devices:
+      # Each later plan's R·K divides the starting one's (K halves; R = N / K or 1).
+      raise pipeline.PlanError(
+          f'batch size {batch} is not divisible by the {devices} devices of the starting plan '
+          f'(R x K = {self.plan.replicas} x {self.initial_length}): once blocks freeze, their '
+          f'forward runs data-parallel over them; use a multiple of {devices}')
     self.state = self._init_state(params, self.plan)
     # Where run() starts: (epoch, batches already done in it, whether the
     # freeze decision at the end of the epoch before is still to be made).

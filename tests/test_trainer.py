@@ -540,6 +540,22 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_never_checkpointed(monkeypa
   assert math.isfinite(float(np.asarray(trainer.state['sums'])[0]))  # the loss alone was fine
 
 
+def test_a_batch_the_frozen_prefix_cannot_split_is_refused_before_training(tmp_path):
+  """R·M = 2 x 2 divides 12 but R·K = 2 x 4 does not: the frozen blocks'
+  forward, data-parallel over the plan's 8 devices, would fail after a whole
+  epoch of training (inside JAX). Without freezing the batch is fine."""
+  config = _config(micro_batches=2)
+  with config.unlocked():
+    config.train.batch_size = 12
+  with pytest.raises(pipeline.PlanError, match=r'^batch size 12 is not divisible by the 8 '
+                     r'devices of the starting plan \(R x K = 2 x 4\): .* use a multiple of 8$'):
+    _trainer(config, workdir=str(tmp_path))
+  with config.unlocked():
+    config.freeze.policy = 'none'
+  trainer, _ = _trainer(config, workdir=str(tmp_path))
+  assert (trainer.plan.replicas, trainer.plan.pipeline_length) == (2, 4)
+
+
 def test_global_batch_modes():
   assert autodp.global_batch_size(64, 4, 'constant') == 64
   assert autodp.global_batch_size(64, 4, 'per_pipeline') == 256
