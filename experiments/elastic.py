@@ -28,7 +28,8 @@ from pipejax import (autopipe, checkpoints, diskcache, distributed, freeze, froz
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import DataReadError, Loader, ShardedLoader
 from pipejax.partition import PartitionError
-from pipejax.trainer import PROFILE_ROUNDS, LossNotFinite, Trainer, TrainingInterrupted
+from pipejax.trainer import (PROFILE_ROUNDS, LossNotFinite, Trainer, TrainingInterrupted,
+                             check_batch_for_freezing)
 
 
 class ConfigError(ValueError):
@@ -109,6 +110,7 @@ def check_config(config, num_devices_available: int) -> None:
   if c.train.batch_mode == 'constant' and c.train.batch_size % n:
     raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of the {n} '
                       f'devices (the frozen prefix and evaluation split it over all of them)')
+  check_batch_for_freezing(c, n)  # the plans after a freeze (the trainer checks it too)
   if c.train.eval_batch_size < 0 or c.train.eval_batch_size % n:
     raise ConfigError(f'train.eval_batch_size={c.train.eval_batch_size} must be 0 (4 x the '
                       f'global batch) or a multiple of the {n} devices')
@@ -789,6 +791,18 @@ def _checkpoint_dir(workdir: str | None) -> str | None:
   return os.path.join(os.path.abspath(workdir), 'checkpoints') if workdir else None
 
 
+def _runtime_cause(error: BaseException) -> jax.errors.JaxRuntimeError | None:
+  """The failed computation behind ``error``, if any (orbax reports a broken
+  collective as a checkpoint error, for one)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, jax.errors.JaxRuntimeError):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
 def _how_to_resume(config, stop: TrainingInterrupted) -> str:
   """What continues an interrupted run: the same command, unless it would
   start over (``--config.resume=False``) or nothing was saved."""
@@ -814,6 +828,9 @@ def main(config, workdir: str | None, task: str) -> int:
     # The machine's files (a full disk, a removed directory) too: one line. With
     # several processes the others are told (they would wait for this one).
     except (*KNOWN_ERRORS, OSError) as e:
+      cause = _runtime_cause(e)
+      if cause is not None:  # e.g. a checkpoint barrier that a lost peer broke
+        distributed.exit_if_peer_lost(cause, _checkpoint_dir(workdir))  # several processes
       print(f'error: {e}', file=sys.stderr)
       distributed.tell_job_of_error(str(e))
       return 2

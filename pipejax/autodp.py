@@ -47,6 +47,29 @@ def global_batch_size(batch_size: int, replicas: int, mode: str) -> int:
   raise ValueError(f"unknown batch mode {mode!r}; expected 'constant' or 'per_pipeline'")
 
 
+def check_frozen_batches(batch_size: int, mode: str, num_devices: int,
+                         pipeline_lengths: list[int], autodp: bool = True) -> None:
+  """Raises :class:`pipejax.pipeline.PlanError` unless the global batch of
+  every plan with one of ``pipeline_lengths`` splits over its R·K devices,
+  where the frozen blocks' forward runs data-parallel (R = N / K with
+  ``autodp``, else 1). Otherwise the first freeze, after a whole epoch of
+  training, would fail inside JAX."""
+  divisors = []
+  for k in pipeline_lengths:
+    replicas = replicas_for(num_devices, k) if autodp else 1
+    # per_pipeline: batch_size·R over R·K devices needs K | batch_size.
+    divisors.append(k if mode == 'per_pipeline' else replicas * k)
+  for k, divisor in zip(pipeline_lengths, divisors):
+    if batch_size % divisor:
+      replicas = replicas_for(num_devices, k) if autodp else 1
+      batch = global_batch_size(batch_size, replicas, mode)
+      raise pipeline.PlanError(
+          f'train.batch_size={batch_size} gives a global batch of {batch} at pipeline length '
+          f'{k} (R = {replicas}), which its {replicas * k} devices cannot split: frozen blocks '
+          f'run data-parallel over them; use a train.batch_size that is a multiple of '
+          f'{math.lcm(*divisors)}')
+
+
 def is_param_tree(x) -> bool:
   """Whether ``x`` is a tree in the stage layout (parameters or a moment)."""
   return isinstance(x, dict) and 'attention' in x and 'mlp' in x and 'head' in x

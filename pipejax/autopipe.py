@@ -365,6 +365,25 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
   return partition_for(costs, num_frozen_layers, k, lambda_frozen)
 
 
+def reachable_lengths(initial_pipeline_length: int, num_devices: int) -> list[int]:
+  """Every pipeline length :func:`compress` can reach from
+  ``initial_pipeline_length`` on ``num_devices``, largest first: its halvings
+  (one or more at a time), each rounded down to a divisor of the devices."""
+  def fitting(k: int) -> int:
+    return max(d for d in range(1, k + 1) if num_devices % d == 0)
+
+  reached, todo = set(), [initial_pipeline_length]
+  while todo:
+    k = todo.pop()
+    if k in reached:
+      continue
+    reached.add(k)
+    while k >= 2:
+      k //= 2
+      todo.append(fitting(k))
+  return sorted(reached, reverse=True)
+
+
 def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,
                            max_factor: int = 6) -> list[int]:
   """M ∈ {K, 2K, …, 6K} that divide the per-replica batch. The paper

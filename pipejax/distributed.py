@@ -49,6 +49,7 @@ SUPERVISED_ENV = 'PIPEJAX_SUPERVISED'  # set in the child that trains
 _PEER_LOST = re.compile(r'heartbeat timeout|detected fatal errors|Polled an error from coordination'
                         r'|coordination service|Socket closed|Connection reset|Gloo')
 _ABSL_LINE = re.compile(r'^[EFW]\d{4} \d\d:\d\d:\d\d')
+_LEFT_FOR_PEER = re.compile(r'error: process \d+ stopped: process \d+ failed: ')  # _leave's line
 # A key in the coordination service's key-value store (it lives as long as the
 # job): a failed process's one-line error.
 _FAILED = 'pipejax/failed/'  # + the failed process's index
@@ -304,14 +305,15 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, forward)
   swallowed: list[bytes] = []
-  lost = own_error = False
+  lost = own_error = for_peer = False
   for line in iter(child.stderr.readline, b''):
-    text = line.decode(errors='replace')
-    # The child's own one-line error passes, also after the runtime's report
-    # (a line saying that another process failed). A progress bar before it
-    # ends its line with '\r', not '\n'.
-    own = text.rsplit('\r', 1)[-1].startswith('error: ')
-    own_error = own_error or own
+    # A progress bar before a line ends its own with '\r', not '\n'.
+    text = line.decode(errors='replace').rsplit('\r', 1)[-1]
+    # The child's own one-line error passes; after the runtime's report, only
+    # the line that names another process's error (watch_for_failures).
+    peer = bool(_LEFT_FOR_PEER.match(text))
+    own = text.startswith('error: ') and (peer or not lost)
+    own_error, for_peer = own_error or own, for_peer or peer
     lost = lost or bool(_ABSL_LINE.match(text) and _PEER_LOST.search(text))
     if lost and not own:
       swallowed.append(line)
@@ -319,19 +321,16 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
       sys.stderr.buffer.write(line)
       sys.stderr.flush()
   code = child.wait()
+  auto = settings.coordinator == 'auto'  # the rank is JAX's guess, not known here
+  process_id = None if auto else settings.process_id
+  if for_peer:  # the child named another process's error; the runtime's report is kept
+    _keep_crash_log(swallowed, checkpoint_dir, process_id)
+    return code if code > 0 else 3
   if own_error:  # the child said what went wrong; the runtime's exit report adds nothing
     return code if code > 0 else 2
   if code == 0 or not lost:
     return code if code >= 0 else 128 - code
-  crash_log = None
-  auto = settings.coordinator == 'auto'  # the rank is JAX's guess, not known here
-  process_id = None if auto else settings.process_id
-  if checkpoint_dir:
-    name = f'process_{process_id}' if process_id is not None else f'pid_{os.getpid()}'
-    crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'{name}.crash.log')
-    os.makedirs(os.path.dirname(crash_log), exist_ok=True)
-    with open(crash_log, 'wb') as f:
-      f.writelines(swallowed)
+  crash_log = _keep_crash_log(swallowed, checkpoint_dir, process_id)
   who = f'process {process_id}' if process_id is not None else 'this process'
   log = f' (runtime log: {crash_log})' if crash_log else ''
   if any(b'RegisterTask' in line for line in swallowed):  # never joined
@@ -348,6 +347,21 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
         f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every host to '
         f'resume{log}', file=sys.stderr, flush=True)
   return 3
+
+
+def _keep_crash_log(lines: list[bytes], checkpoint_dir: str | None,
+                    process_id: int | None) -> str | None:
+  """Writes the runtime's swallowed report to ``<workdir>/process_<id>.crash.log``
+  (``pid_<pid>`` without a known rank); returns its path, or None when there
+  is nothing to keep or no workdir."""
+  if not lines or not checkpoint_dir:
+    return None
+  name = f'process_{process_id}' if process_id is not None else f'pid_{os.getpid()}'
+  crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'{name}.crash.log')
+  os.makedirs(os.path.dirname(crash_log), exist_ok=True)
+  with open(crash_log, 'wb') as f:
+    f.writelines(lines)
+  return crash_log
 
 
 def exit_if_peer_lost(error: Exception, checkpoint_dir: str | None = None) -> None:

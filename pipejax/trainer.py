@@ -194,6 +194,20 @@ def schedule_count(opt_state) -> jax.Array:
   return opt_state[-1].count
 
 
+def check_batch_for_freezing(config, num_devices: int) -> None:
+  """Raises :class:`pipejax.pipeline.PlanError` unless every plan the run
+  can reach splits its global batch over its R·K devices, as the frozen
+  blocks' data-parallel forward needs (:func:`pipejax.autodp.check_frozen_batches`);
+  nothing to check without freezing."""
+  c = config
+  if c.freeze.policy == 'none':
+    return
+  lengths = (autopipe.reachable_lengths(c.pipeline.initial_length, num_devices)
+             if c.freeze.compress else [c.pipeline.initial_length])
+  autodp.check_frozen_batches(c.train.batch_size, c.train.batch_mode, num_devices, lengths,
+                              c.pipeline.autodp)
+
+
 class Trainer:
   """Elastic PipeTransformer training of one model.
 
@@ -291,13 +305,7 @@ class Trainer:
                                        c.freeze.lambda_frozen).partition
     self._param_shapes = jax.eval_shape(lambda: params)
     self.plan = self._plan(partition, micro_batches=None, initial=True)
-    batch, devices = self.batch_size(self.plan), self.plan.num_devices
-    if c.freeze.policy != 'none' and batch % devices:
-      # Each later plan's R·K divides the starting one's (K halves; R = N / K or 1).
-      raise pipeline.PlanError(
-          f'batch size {batch} is not divisible by the {devices} devices of the starting plan '
-          f'(R x K = {self.plan.replicas} x {self.initial_length}): once blocks freeze, their '
-          f'forward runs data-parallel over them; use a multiple of {devices}')
+    check_batch_for_freezing(c, self.num_devices)  # before an epoch is trained for nothing
     self.state = self._init_state(params, self.plan)
     # Where run() starts: (epoch, batches already done in it, whether the
     # freeze decision at the end of the epoch before is still to be made).

@@ -138,6 +138,46 @@ def test_compression_follows_eq2():
   assert (plan.partition.pipeline_length, plan.memory_proxy) == (1, pytest.approx(5.0))
 
 
+@pytest.mark.parametrize('initial, devices, expected', [
+    (8, 8, [8, 4, 2, 1]), (4, 8, [4, 2, 1]), (5, 10, [5, 2, 1]), (6, 12, [6, 3, 1]),
+    (5, 5, [5, 1]), (1, 8, [1])])
+def test_reachable_lengths_hold_every_length_compression_reaches(initial, devices, expected):
+  assert autopipe.reachable_lengths(initial, devices) == expected
+  # Against compress itself: every run of freeze events (F rising, any λ)
+  # from the initial length on these devices.
+  costs, reached, seen = _uniform(8), set(), set()
+
+  def follow(k, frozen):
+    if (k, frozen) in seen:
+      return
+    seen.add((k, frozen))
+    reached.add(k)
+    for more in range(frozen + 1, 8):
+      for lam in (0.0, 1 / 6, 1.0):
+        follow(autopipe.compress(costs, more, k, initial, lam,
+                                 num_devices=devices).partition.pipeline_length, more)
+
+  follow(initial, 0)
+  assert reached <= set(expected) and max(reached) == initial
+
+
+def test_a_batch_that_a_later_plan_cannot_split_is_named():
+  from pipejax import autodp
+  from pipejax.pipeline import PlanError
+  autodp.check_frozen_batches(16, 'constant', 8, [8, 4, 2, 1])
+  autodp.check_frozen_batches(12, 'constant', 8, [4, 2, 1], autodp=False)  # R = 1: K | 12
+  with pytest.raises(PlanError, match=r'^train.batch_size=12 gives a global batch of 12 at '
+                     r'pipeline length 8 \(R = 1\), which its 8 devices'):
+    autodp.check_frozen_batches(12, 'constant', 8, [8, 4], autodp=False)
+  # per_pipeline, K = 5 on 10 devices: 5 a pipeline suits K = 5, but K = 2
+  # gives 5 replicas x 5 = 25 samples over 10 devices.
+  autodp.check_frozen_batches(10, 'per_pipeline', 10, [5, 2, 1])
+  with pytest.raises(PlanError, match=r'^train.batch_size=5 gives a global batch of 25 at '
+                     r'pipeline length 2 \(R = 5\), which its 10 devices cannot split: .* '
+                     r'a multiple of 10$'):
+    autodp.check_frozen_batches(5, 'per_pipeline', 10, [5, 2, 1])
+
+
 def test_partition_has_active_units_only():
   costs = _uniform(4)
   plan = autopipe.partition_for(costs, 2, 2, 1 / 6)

@@ -12,6 +12,7 @@ import threading
 import time
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -620,6 +621,29 @@ def test_a_process_already_exiting_is_not_ended_by_the_watcher(watched_job):
   assert events == [] and not distributed._leaving.is_set()
 
 
+def test_a_checkpoint_error_from_a_broken_collective_is_a_lost_peer():
+  """orbax reports a collective broken by a lost peer as a checkpoint error:
+  the CLI looks behind it (with several processes it then ends as a lost
+  peer, naming the peer's own error where one was told)."""
+  from pipejax.checkpoints import CheckpointError
+  broken = jax.errors.JaxRuntimeError('UNKNOWN: Gloo AllGather failed')
+  try:
+    try:
+      raise broken
+    except jax.errors.JaxRuntimeError as e:
+      raise CheckpointError('writing the checkpoint of step 8 failed') from e
+  except CheckpointError as e:
+    assert elastic._runtime_cause(e) is broken
+  try:
+    try:
+      raise broken
+    except jax.errors.JaxRuntimeError:
+      raise OSError(28, 'No space left on device')  # implicitly chained
+  except OSError as e:
+    assert elastic._runtime_cause(e) is broken
+  assert elastic._runtime_cause(CheckpointError('no readable checkpoint')) is None
+
+
 def test_one_process_neither_watches_nor_tells(monkeypatch):
   monkeypatch.setattr(distributed, '_failing', threading.Event())
   assert distributed.watch_for_failures(None) is None
@@ -627,16 +651,14 @@ def test_one_process_neither_watches_nor_tells(monkeypatch):
   assert not distributed._failing.is_set()
 
 
-def test_the_supervisor_keeps_a_child_s_own_error_printed_after_a_progress_bar(tmp_path):
-  """A child that printed its own one-line error after a progress bar (whose
-  line ends in '\\r', not '\\n'), then the runtime's report of a lost peer:
-  the supervisor keeps the error and the child's exit code, and says nothing
-  of a lost peer. (The supervisor runs in a process of its own, without JAX's
-  threads, since it forks the child.)"""
-  child = ('import sys; sys.stderr.write("epoch 1:   0%|  | 0/2\\r          \\r'
-           'error: [Errno 28] No space left on device\\n'
-           'E1129 10:00:00.000000 1 agent.cc:1] Polled an error from coordination service\\n");'
-           ' sys.exit(2)')
+RUNTIME_REPORT = 'E1129 10:00:00.000000 1 agent.cc:1] Polled an error from coordination service\n'
+
+
+def _supervised(tmp_path, stderr: str, end: str):
+  """Runs the supervisor (in a process of its own, without JAX's threads,
+  since it forks) over a child that writes ``stderr`` then runs ``end``;
+  returns the supervisor's ``(exit code, stderr)``."""
+  child = f'import os, signal, sys; sys.stderr.write({stderr!r}); sys.stderr.flush(); {end}'
   supervisor = (
       'import sys, types\n'
       'from pipejax import distributed\n'
@@ -646,11 +668,42 @@ def test_the_supervisor_keeps_a_child_s_own_error_printed_after_a_progress_bar(t
       f'                               {str(tmp_path / "checkpoints")!r}))\n')
   done = subprocess.run([sys.executable, '-c', supervisor], cwd=ROOT, capture_output=True,
                         text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
-  assert done.returncode == 2, done.stderr
-  assert done.stderr.strip().splitlines()[-1] == 'error: [Errno 28] No space left on device', (
-      done.stderr)
-  assert 'another process' not in done.stderr
+  return done.returncode, done.stderr
+
+
+def test_the_supervisor_keeps_a_child_s_own_error_printed_after_a_progress_bar(tmp_path):
+  """A child that printed its own one-line error after a progress bar (whose
+  line ends in '\\r', not '\\n'), then the runtime's report of a lost peer:
+  the supervisor keeps the error and the child's exit code, and says nothing
+  of a lost peer."""
+  code, stderr = _supervised(
+      tmp_path, 'epoch 1:   0%|  | 0/2\r          \rerror: [Errno 28] No space left on '
+      'device\n' + RUNTIME_REPORT, 'sys.exit(2)')
+  assert code == 2, stderr
+  assert stderr.strip().splitlines()[-1] == 'error: [Errno 28] No space left on device', stderr
+  assert 'another process' not in stderr
   assert not os.path.exists(tmp_path / 'process_1.crash.log')
+
+
+def test_the_supervisor_keeps_the_line_naming_another_process_s_error(tmp_path):
+  """After the runtime's report, the child's line naming another process's
+  error still passes (the report goes to the crash log), and a child that
+  dies on a signal after it counts as ended by that error: exit code 3."""
+  line = ('error: process 1 stopped: process 0 failed: [Errno 28] No space left on device; last '
+          'checkpoint: none; relaunch the same command on every host to resume once that is '
+          'fixed')
+  code, stderr = _supervised(tmp_path, RUNTIME_REPORT + '\n' + line + '\n',
+                             'os.kill(os.getpid(), signal.SIGABRT)')
+  assert code == 3, stderr
+  assert stderr.strip().splitlines()[-1] == line, stderr
+  assert 'died or stopped responding' not in stderr
+  with open(tmp_path / 'process_1.crash.log') as f:
+    assert f.read().strip() == RUNTIME_REPORT.strip()
+  # Other lines after the report are the runtime's: the lost-peer line replaces them.
+  code, stderr = _supervised(tmp_path, RUNTIME_REPORT + 'error: a runtime line\n',
+                             'os.kill(os.getpid(), signal.SIGABRT)')
+  assert code == 3 and 'a runtime line' not in stderr, stderr
+  assert 'another process of the job died or stopped responding' in stderr.splitlines()[-1]
 
 
 @JOBS

@@ -547,8 +547,9 @@ def test_a_batch_the_frozen_prefix_cannot_split_is_refused_before_training(tmp_p
   config = _config(micro_batches=2)
   with config.unlocked():
     config.train.batch_size = 12
-  with pytest.raises(pipeline.PlanError, match=r'^batch size 12 is not divisible by the 8 '
-                     r'devices of the starting plan \(R x K = 2 x 4\): .* use a multiple of 8$'):
+  with pytest.raises(pipeline.PlanError, match=r'^train.batch_size=12 gives a global batch of '
+                     r'12 at pipeline length 4 \(R = 2\), which its 8 devices cannot split: .* '
+                     r'multiple of 8$'):
     _trainer(config, workdir=str(tmp_path))
   with config.unlocked():
     config.freeze.policy = 'none'

@@ -474,3 +474,24 @@ def test_check_config_refuses_each_bad_value(overrides, message):
     elastic.check_config(config, 8)
   assert message in str(err.value), str(err.value)
   elastic.check_config(vit_imagenet.get_config(), 8)  # the default passes
+
+
+def test_check_config_refuses_a_batch_a_compressed_pipeline_cannot_split():
+  """10 devices, K = 5, 5 samples a pipeline: K = 5 splits them, but the K = 2
+  that compression can reach gives 5 replicas x 5 = 25 samples over 10
+  devices, which the frozen blocks' data-parallel forward cannot split."""
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, {'train.batch_mode': 'per_pipeline', 'train.batch_size': 5,
+                               'pipeline.initial_length': 5, 'pipeline.devices': 10,
+                               'train.eval_batch_size': 0})
+  with pytest.raises(elastic.KNOWN_ERRORS, match=r'^train.batch_size=5 gives a global batch '
+                     r'of 25 at pipeline length 2 \(R = 5\), which its 10 devices cannot '
+                     r'split: .* a multiple of 10$'):
+    elastic.check_config(config, 10)
+  with config.unlocked():
+    config.train.batch_size = 10
+  elastic.check_config(config, 10)
+  with config.unlocked():
+    config.train.batch_size, config.freeze.policy = 5, 'none'
+  elastic.check_config(config, 10)  # nothing freezes: no frozen forward to split
