@@ -25,8 +25,11 @@ from pipejax import pipeline
 Params = Any
 
 
-def replicas_for(num_devices: int, pipeline_length: int) -> int:
-  """R = N / K, checking that K divides N."""
+def replicas_for(num_devices: int, pipeline_length: int, autodp: bool = True) -> int:
+  """R = N / K, checking that K divides N; without ``autodp`` (an ablation)
+  1, one pipeline on K devices while the rest idle."""
+  if not autodp:
+    return 1
   if pipeline_length < 1 or num_devices % pipeline_length:
     raise pipeline.PlanError(f'pipeline length {pipeline_length} does not divide the '
                              f'{num_devices} devices')
@@ -54,20 +57,19 @@ def check_frozen_batches(batch_size: int, mode: str, num_devices: int,
   where the frozen blocks' forward runs data-parallel (R = N / K with
   ``autodp``, else 1). Otherwise the first freeze, after a whole epoch of
   training, would fail inside JAX."""
-  divisors = []
+  needs = []  # (K, R, what train.batch_size must be a multiple of)
   for k in pipeline_lengths:
-    replicas = replicas_for(num_devices, k) if autodp else 1
-    # per_pipeline: batch_size·R over R·K devices needs K | batch_size.
-    divisors.append(k if mode == 'per_pipeline' else replicas * k)
-  for k, divisor in zip(pipeline_lengths, divisors):
+    replicas = replicas_for(num_devices, k, autodp)
+    # per_pipeline: batch_size·R samples over R·K devices needs K | batch_size.
+    needs.append((k, replicas, k if mode == 'per_pipeline' else replicas * k))
+  for k, replicas, divisor in needs:
     if batch_size % divisor:
-      replicas = replicas_for(num_devices, k) if autodp else 1
-      batch = global_batch_size(batch_size, replicas, mode)
       raise pipeline.PlanError(
-          f'train.batch_size={batch_size} gives a global batch of {batch} at pipeline length '
-          f'{k} (R = {replicas}), which its {replicas * k} devices cannot split: frozen blocks '
-          f'run data-parallel over them; use a train.batch_size that is a multiple of '
-          f'{math.lcm(*divisors)}')
+          f'train.batch_size={batch_size} gives a global batch of '
+          f'{global_batch_size(batch_size, replicas, mode)} at pipeline length {k} (R = '
+          f'{replicas}), which its {replicas * k} devices cannot split: frozen blocks run '
+          f'data-parallel over them; use a train.batch_size that is a multiple of '
+          f'{math.lcm(*(d for _, _, d in needs))}')
 
 
 def is_param_tree(x) -> bool:

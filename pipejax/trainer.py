@@ -314,11 +314,8 @@ class Trainer:
 
   # -- plans -------------------------------------------------------------------
   def _replicas(self, pipeline_length: int) -> int:
-    """R for a pipeline of length K: N / K, or without AutoDP (an ablation)
-    1, one pipeline on K devices while the rest idle."""
-    if not self.config.pipeline.autodp:
-      return 1
-    return autodp.replicas_for(self.num_devices, pipeline_length)
+    """R for a pipeline of length K (:func:`pipejax.autodp.replicas_for`)."""
+    return autodp.replicas_for(self.num_devices, pipeline_length, self.config.pipeline.autodp)
 
   def _plan(self, partition: part.Partition, micro_batches: int | None,
             initial: bool = False) -> pipeline.Plan:
