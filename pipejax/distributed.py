@@ -376,8 +376,7 @@ def exit_if_peer_lost(error: Exception, checkpoint_dir: str | None = None) -> No
     return
   wait_if_leaving()
   me = jax.process_index()
-  client = _client()
-  failures = _peer_failures(client, me)
+  failures = _peer_failures(_client(), me)
   if failures:
     _leave(me, failures, checkpoint_dir)
   detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
