@@ -1114,8 +1114,8 @@ class Trainer:
         :meth:`checkpoint_meta`; ``meta['row']`` is the epoch's row at an epoch
         end); called at each epoch end, every ``save_every_steps`` batches
         and when a stop is requested.
-      stop_requested: polled after every step and epoch: True saves (waiting
-        for the write) and raises :class:`TrainingInterrupted`.
+      stop_requested: polled after every step and epoch but the last: True
+        saves (waiting for the write) and raises :class:`TrainingInterrupted`.
     """
     metrics_log = reporting.MetricsLog(self.workdir)
     self._run_start = time.perf_counter()
@@ -1208,7 +1208,9 @@ class Trainer:
                f'F={row["frozen_layers"]} K={row["pipeline_length"]} R={row["replicas"]} '
                f'M={row["micro_batches"]} {row["epoch_seconds"]:.1f}s '
                f'({row["samples_per_second"]:.0f} samples/s)')
-      if stop_requested is not None and stop_requested():
+      # After the last epoch nothing is left to stop: the run finishes (its
+      # summary written), and the caller says that the signal came late.
+      if epoch + 1 < epochs and stop_requested is not None and stop_requested():
         raise TrainingInterrupted(epoch, row['step'], path)  # saved just above
       transition_seconds = 0.0
       if epoch + 1 < epochs and not by_steps:

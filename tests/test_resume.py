@@ -774,6 +774,26 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
   assert all(r['cache'] for r in rows[1:])
 
 
+def test_a_stop_requested_after_the_last_epoch_lets_the_run_finish(tmp_path):
+  """A signal during the last epoch's evaluation, after its last step: nothing
+  is left to train, so the run finishes and writes its summary (the CLI then
+  says that the signal came after the last step, exit 0). It used to stop
+  with exit 75 and no summary until the command ran again."""
+  workdir = str(tmp_path / 'run')
+  config = _config(str(tmp_path / 'profile.json'))
+
+  def late():  # asked from the moment the last epoch's row is written
+    return (os.path.exists(os.path.join(workdir, 'metrics.jsonl'))
+            and len(_rows(workdir)) == config.train.epochs)
+
+  summary = elastic.run(config, workdir, task='vit', stop_requested=late)
+  rows = _rows(workdir)
+  assert [r['epoch'] for r in rows] == [0, 1, 2]
+  assert summary['final_eval_accuracy'] == rows[-1]['eval_accuracy']
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    assert json.load(f)['final_eval_accuracy'] == rows[-1]['eval_accuracy']
+
+
 def test_a_signal_after_the_last_step_says_the_run_finished(monkeypatch, capsys):
   """SIGTERM while the summary is written: the run is complete and exits 0;
   the line printed at the signal (saving, exit 75) is corrected."""
