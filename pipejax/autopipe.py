@@ -360,8 +360,8 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
     if candidate.memory_proxy > reference + 1e-6:
       break
     k //= 2
-  if num_devices is not None and num_devices % k:
-    k = max(d for d in range(1, k + 1) if num_devices % d == 0)
+  if num_devices is not None:
+    k = largest_divisor(num_devices, k)
   return partition_for(costs, num_frozen_layers, k, lambda_frozen)
 
 
@@ -369,9 +369,6 @@ def reachable_lengths(initial_pipeline_length: int, num_devices: int) -> list[in
   """Every pipeline length :func:`compress` can reach from
   ``initial_pipeline_length`` on ``num_devices``, largest first: its halvings
   (one or more at a time), each rounded down to a divisor of the devices."""
-  def fitting(k: int) -> int:
-    return max(d for d in range(1, k + 1) if num_devices % d == 0)
-
   reached, todo = set(), [initial_pipeline_length]
   while todo:
     k = todo.pop()
@@ -380,7 +377,7 @@ def reachable_lengths(initial_pipeline_length: int, num_devices: int) -> list[in
     reached.add(k)
     while k >= 2:
       k //= 2
-      todo.append(fitting(k))
+      todo.append(largest_divisor(num_devices, k))
   return sorted(reached, reverse=True)
 
 
@@ -403,7 +400,12 @@ def micro_batch_candidates(pipeline_length: int, batch_per_replica: int,
   out = [f * k for f in range(1, max_factor + 1) if batch % (f * k) == 0]
   if not out:
     out = [m for m in range(k, max_factor * k + 1) if batch % m == 0]
-  return out or [max(d for d in range(1, min(k, batch) + 1) if batch % d == 0)]
+  return out or [largest_divisor(batch, k)]
+
+
+def largest_divisor(number: int, limit: int) -> int:
+  """The largest divisor of ``number`` (≥ 1) not above ``limit`` (≥ 1)."""
+  return max(d for d in range(1, min(limit, number) + 1) if number % d == 0)
 
 
 class MicroBatchProfile:

@@ -326,7 +326,7 @@ class Trainer:
     per_replica = self.batch_size(plan) // replicas
     if not initial and (self.batch_size(plan) % replicas == 0) and per_replica % m:
       # A fixed M that no longer divides the replica's batch after R grew.
-      fitting = max(d for d in range(1, m + 1) if per_replica % d == 0)
+      fitting = autopipe.largest_divisor(per_replica, m)
       self.log(f'  micro-batches: M={m} does not divide the {per_replica} samples per '
                f'replica at R={replicas}; using M={fitting}')
       plan = dataclasses.replace(plan, micro_batches=fitting)
@@ -510,7 +510,7 @@ class Trainer:
     if meta['devices'] == self.num_devices and self.num_devices % k == 0:
       return k
     limit = min(k, self.initial_length) if saved['frozen_layers'] else self.initial_length
-    return max(d for d in range(1, limit + 1) if self.num_devices % d == 0)
+    return autopipe.largest_divisor(self.num_devices, limit)
 
   def _data_shards(self) -> int:
     """How many shards the training order is drawn over (1: the plain loader)."""
