@@ -843,9 +843,8 @@ def main(config, workdir: str | None, task: str) -> int:
       distributed.exit_if_peer_lost(e, _checkpoint_dir(workdir))
       raise
     except Exception as e:  # a bug: the other processes told, then its traceback
-      first = (str(e).strip().splitlines() or [''])[0][:200]
-      distributed.tell_job_of_error(f'{type(e).__name__}: {first} (the traceback is in that '
-                                    f'process\'s output)')
+      distributed.tell_job_of_error(f'{type(e).__name__}: {distributed.first_line(str(e), 200)} '
+                                    f'(the traceback is in that process\'s output)')
       raise
   if stop.requested:  # it came after the last step: nothing was cut short
     _log('the signal came after the last step: the run finished and its outputs are '

@@ -123,7 +123,7 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
                                heartbeat_timeout_seconds=c.heartbeat_timeout_seconds,
                                shutdown_timeout_seconds=c.heartbeat_timeout_seconds)
   except ValueError as e:  # e.g. 'auto' outside a cluster JAX recognises
-    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    detail = first_line(str(e)) or type(e).__name__
     raise DistributedError(f'cannot join the job (distributed.coordinator={c.coordinator!r}): '
                            f'{detail}') from e
   log(f'process {jax.process_index()} of {jax.process_count()} joined the job '
@@ -379,12 +379,19 @@ def exit_if_peer_lost(error: Exception, checkpoint_dir: str | None = None) -> No
   failures = _peer_failures(_client(), me)
   if failures:
     _leave(me, failures, checkpoint_dir)
-  detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+  detail = first_line(str(error), 200) or type(error).__name__
   _print_flushed(f'error: process {me} stopped: a computation across processes failed '
                  f'({detail}); another process probably died; last checkpoint: '
                  f'{_latest_checkpoint(checkpoint_dir)}; relaunch the same command on every '
                  f'host to resume')
   os._exit(3)  # noqa: SLF001 - see the docstring
+
+
+def first_line(text: str, limit: int | None = None) -> str:
+  """The first line of ``text`` (stripped; '' when it is empty), cut at
+  ``limit`` characters: an error in one line."""
+  lines = text.strip().splitlines()
+  return lines[0][:limit] if lines else ''
 
 
 def _print_flushed(line: str) -> None:
@@ -440,7 +447,7 @@ def tell_job_of_error(message: str) -> None:
     return
   import jax  # noqa: PLC0415
   _failing.set()
-  first = (message.strip().splitlines() or [''])[0][:500]
+  first = first_line(message, 500)
   try:
     client.key_value_set(f'{_FAILED}{jax.process_index()}', first)
   except Exception:  # noqa: BLE001 - no service (its process died): nobody to tell
