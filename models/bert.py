@@ -97,18 +97,30 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     outputs = logits_fn(params, hidden, batch, rng, train)
     if head == 'classification':
       labels = batch['labels']
+      mask = batch.get('example_mask')
       if config.num_labels == 1:
-        return (layered.mean_squared_error(outputs, labels),
-                layered.regression_metrics(outputs, labels, batch.get('example_mask')))
-      return (layered.softmax_cross_entropy(outputs, labels),
-              layered.classification_metrics(outputs, labels, batch.get('example_mask')))
+        return (layered.mean_squared_error(outputs, labels, mask),
+                layered.regression_metrics(outputs, labels, mask))
+      return (layered.softmax_cross_entropy(outputs, labels, mask),
+              layered.classification_metrics(outputs, labels, mask))
     start_logits, end_logits = outputs
-    start, end = batch['start_positions'], batch['end_positions']
-    loss = 0.5 * (layered.softmax_cross_entropy(start_logits, start)
-                  + layered.softmax_cross_entropy(end_logits, end))
-    both = (jnp.argmax(start_logits, -1) == start) & (jnp.argmax(end_logits, -1) == end)
     mask = batch.get('example_mask')
-    mask = jnp.ones(start.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    mask = (jnp.ones(start_logits.shape[0], jnp.float32) if mask is None
+            else mask.astype(jnp.float32))
+    # As HF's BertForQuestionAnswering: a position outside the sequence is
+    # clamped to its length, and that position's loss is left out (the mean
+    # is over the others); it can never be predicted exactly.
+    length = start_logits.shape[-1]
+    start = jnp.clip(batch['start_positions'], 0, length)
+    end = jnp.clip(batch['end_positions'], 0, length)
+
+    def position_loss(logits, position):
+      inside = (position < length).astype(jnp.float32)
+      return layered.softmax_cross_entropy(logits, jnp.minimum(position, length - 1),
+                                           mask * inside)
+
+    loss = 0.5 * (position_loss(start_logits, start) + position_loss(end_logits, end))
+    both = (jnp.argmax(start_logits, -1) == start) & (jnp.argmax(end_logits, -1) == end)
     return loss, {'correct': jnp.sum(both * mask), 'count': jnp.sum(mask)}
 
   def _encoder(hf):

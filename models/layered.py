@@ -67,8 +67,12 @@ class LayeredModel:
     logits_fn: ``(head_params, hidden, batch, rng, train) -> outputs``, what the
       HF model returns as logits (a tuple for QA: start and end logits).
     loss_fn: ``(head_params, hidden, batch, rng, train) -> (loss, metrics)``;
-      ``loss`` is the mean over the batch, ``metrics`` a dict of *sums* over
-      the batch (e.g. ``correct``, ``count``), so they add over micro-batches.
+      ``loss`` is the mean over the batch's real examples (rows whose
+      ``example_mask`` is 0, the padding of a last batch, left out: see
+      :func:`masked_mean`), ``metrics`` a dict of *sums* over them (e.g.
+      ``correct``, ``count``), so they add over micro-batches. The pipeline
+      weights each micro-batch's loss by its real examples, so its loss and
+      gradients are those of the mean over the whole batch's real examples.
       Every head reports ``count``; classifiers report ``correct``, a
       regression head (BERT with one output) ``squared_error`` instead.
     hf_to_canonical / canonical_to_hf: exact parameter-tree conversions.
@@ -145,7 +149,8 @@ class LayeredModel:
 
   def loss(self, params: Params, batch: Batch, rng: jax.Array | None = None,
            train: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Sequential reference loss (mean over the batch) and summed metrics."""
+    """Sequential reference loss (mean over the batch's real examples) and
+    summed metrics."""
     hidden = self.hidden_states(params, batch, rng=rng, train=train)
     return self.loss_fn(params['head'], hidden, batch, unit_rng(rng, self.num_units - 1), train)
 
@@ -167,10 +172,23 @@ def unit_rng(rng: jax.Array | None, unit: int) -> jax.Array | None:
   return None if rng is None else jax.random.fold_in(rng, unit)
 
 
-def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean cross-entropy of ``logits [b, classes]`` against integer ``labels [b]``."""
+def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """Mean of ``values [b]`` over the rows where ``mask [b]`` is 1 (all rows
+  without a mask); 0 when no row counts. Padded rows (``example_mask`` 0) may
+  hold anything finite: they get weight 0, not a share of the mean."""
+  if mask is None:
+    return jnp.mean(values)
+  mask = mask.astype(values.dtype)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
+                          mask: jax.Array | None = None) -> jax.Array:
+  """Mean cross-entropy of ``logits [b, classes]`` against integer ``labels [b]``
+  over the rows ``mask [b]`` keeps (see :func:`masked_mean`)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1))
+  picked = jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  return -masked_mean(picked, mask)
 
 
 def classification_metrics(logits: jax.Array, labels: jax.Array,
@@ -182,11 +200,13 @@ def classification_metrics(logits: jax.Array, labels: jax.Array,
   return {'correct': correct, 'count': jnp.sum(mask)}
 
 
-def mean_squared_error(predictions: jax.Array, targets: jax.Array) -> jax.Array:
+def mean_squared_error(predictions: jax.Array, targets: jax.Array,
+                       mask: jax.Array | None = None) -> jax.Array:
   """Mean squared error of ``predictions [b, 1]`` (or ``[b]``) against float
-  ``targets [b]`` (HF's regression loss for a one-output classifier)."""
+  ``targets [b]`` (HF's regression loss for a one-output classifier), over the
+  rows ``mask [b]`` keeps (see :func:`masked_mean`)."""
   predictions = predictions.astype(jnp.float32).reshape(targets.shape)
-  return jnp.mean(jnp.square(predictions - targets.astype(jnp.float32)))
+  return masked_mean(jnp.square(predictions - targets.astype(jnp.float32)), mask)
 
 
 def regression_metrics(predictions: jax.Array, targets: jax.Array,

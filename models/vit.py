@@ -66,9 +66,9 @@ def build(config: ViTConfig) -> layered.LayeredModel:
 
   def loss_fn(params, hidden, batch, rng, train):
     logits = logits_fn(params, hidden, batch, rng, train)
-    labels = batch['labels']
-    return (layered.softmax_cross_entropy(logits, labels),
-            layered.classification_metrics(logits, labels, batch.get('example_mask')))
+    labels, mask = batch['labels'], batch.get('example_mask')
+    return (layered.softmax_cross_entropy(logits, labels, mask),
+            layered.classification_metrics(logits, labels, mask))
 
   def hf_to_canonical(hf):
     layers = hf['vit']['encoder']['layer']

@@ -257,6 +257,20 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
     recv_act = jnp.asarray(buffers.recv_activation_slot)
     recv_cot = jnp.asarray(buffers.recv_cotangent_slot)
     inv_m = 1.0 / num_micro
+    if 'example_mask' in micro:
+      # A padded batch (a last batch without drop_remainder): micro-batch m's
+      # loss, a mean over its real rows, weighs count_m / (total / (M·R)), so
+      # the step's loss and gradients are the mean over the global batch's
+      # real rows, however the padding falls (1 for every micro-batch when
+      # nothing is padded; 0 when no row is real).
+      counts = jnp.sum(micro['example_mask'].astype(jnp.float32), axis=1)
+      total = lax.psum(jnp.sum(counts), DATA)
+      loss_weights = counts * (num_micro * lax.psum(1, DATA)) / jnp.maximum(total, 1.0)
+    else:
+      loss_weights = None
+
+    def weighted(value, m):
+      return value if loss_weights is None else value * loss_weights[m]
 
     def stage_input(act_buf, slot):
       # Stage 0 reads the batch, never its (unwritten) activation buffer.
@@ -277,7 +291,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
           out, (loss, metrics) = stage_fn(params, stage_input(act_buf, slot), m)
           if training:  # loss is taken in BWD, where the last stage fuses FWD.
             return out, act_fill, grads, loss_sum, metric_sum
-          return (out, act_fill, grads, loss_sum + loss,
+          return (out, act_fill, grads, loss_sum + weighted(loss, m),
                   jax.tree.map(jnp.add, metric_sum, metrics))
         if not training:
           return run()
@@ -289,9 +303,10 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
         x = stage_input(act_buf, slot)
         cot_out = jnp.where(is_last, act_zero, cot_buf[slot])
         (_, (loss, metrics)), vjp = jax.vjp(lambda p, x: stage_fn(p, x, m), params, x)
-        cot_loss = jnp.where(is_last, inv_m, 0.0).astype(jnp.float32)
+        cot_loss = jnp.where(is_last, weighted(inv_m, m), 0.0).astype(jnp.float32)
         g_params, g_x = vjp((cot_out, (cot_loss, jax.tree.map(jnp.zeros_like, metrics))))
-        return (act_fill, g_x, jax.tree.map(jnp.add, grads, g_params), loss_sum + loss,
+        return (act_fill, g_x, jax.tree.map(jnp.add, grads, g_params),
+                loss_sum + weighted(loss, m),
                 jax.tree.map(jnp.add, metric_sum, metrics))
 
       if fused:  # a FWD, then a BWD of another micro-batch, each where the cell has one
@@ -484,15 +499,16 @@ class Pipeline:
   def grad_fn(self, plan: Plan, stage_params: Params, *, train: bool = True):
     """The compiled ``(stage_params, batch, rng) -> (loss, metrics, grads)``.
 
-    ``loss`` is the mean loss over the global batch, ``metrics`` the summed
-    metrics, ``grads`` has the layout and sharding of ``stage_params``.
+    ``loss`` is the mean loss over the global batch (over its real rows when
+    it has an ``example_mask``), ``metrics`` the summed metrics, ``grads`` has the layout and sharding of ``stage_params``.
     ``train=False`` disables dropout. ``rng`` is a PRNG key (ignored without
     dropout).
     """
     return self._build(plan, stage_params, train, forward=False)
 
   def eval_fn(self, plan: Plan, stage_params: Params):
-    """The compiled forward-only ``(stage_params, batch, rng) -> (loss, metrics)``."""
+    """The compiled forward-only ``(stage_params, batch, rng) -> (loss, metrics)``:
+    the loss and metrics of :meth:`train_fn`, padded rows left out alike."""
     return self._build(plan, stage_params, False, forward=True)
 
 

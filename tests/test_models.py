@@ -271,3 +271,57 @@ def test_initialisation_cache_keeps_the_most_recent_entries_within_its_size(tmp_
                            lambda: {'w': np.zeros(1000, np.float32)}, max_bytes=2500 * 4)
   assert sorted(os.listdir(cache)) == sorted([f'init-{s:040d}.npz' for s in (1, 2)]
                                              + [writing.name] + [p.name for p in others])
+
+
+@pytest.mark.parametrize('kind', ['vit', 'bert-classification', 'bert-regression',
+                                  'bert-question_answering'])
+def test_padded_rows_leave_the_loss_and_its_gradient(kind):
+  """Rows with ``example_mask`` 0 (a last batch's padding) are no part of the
+  loss: the loss and gradients of a padded batch are those of its real rows
+  alone, whatever the padding holds."""
+  created = fixtures.tiny(kind)
+  model, params = created.model, created.params
+  real = fixtures.batch(kind, model, 5, seed=3)
+  junk = fixtures.batch(kind, model, 3, seed=4)  # other inputs and labels in the padding
+  padded = {k: np.concatenate([real[k], junk[k]]) for k in real}
+  padded['example_mask'] = np.array([1] * 5 + [0] * 3, np.float32)
+  loss_and_grads = jax.jit(jax.value_and_grad(lambda p, b: model.loss(p, b)[0]))
+  loss, grads = loss_and_grads(params, padded)
+  ref_loss, ref_grads = loss_and_grads(params, real)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5)
+  # And the padding does count without the mask: the check can fail.
+  assert abs(float(loss_and_grads(params, {k: v for k, v in padded.items()
+                                           if k != 'example_mask'})[0]) - float(ref_loss)) > 1e-4
+
+
+def test_question_answering_ignores_positions_outside_the_sequence_as_hf():
+  """As HF's ``BertForQuestionAnswering``: positions are clamped to
+  ``[0, seq_len]``, and a position at ``seq_len`` (or past it) is left out of
+  its half of the loss (cross-entropy with ``ignore_index=seq_len``); a
+  negative one counts as position 0. Computed here from HF's own logits."""
+  created = fixtures.tiny('bert-question_answering')
+  model = created.model
+  batch = fixtures.batch('bert-question_answering', model, 6, seed=5)
+  seq = batch['input_ids'].shape[1]
+  start, end = batch['start_positions'].copy(), batch['end_positions'].copy()
+  start[1], start[4], end[2], end[4], start[5] = seq, seq + 7, seq + 1, seq, -3
+  batch = {**batch, 'start_positions': start, 'end_positions': end}
+  hf_model = created.hf_class(model.hf_config, _do_init=False)
+  out = hf_model(batch['input_ids'], batch['attention_mask'], batch['token_type_ids'],
+                 params=model.to_hf(created.params))
+
+  def ignoring(logits, positions):
+    logits = np.asarray(logits, np.float64)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                  keepdims=True)) - logits.max(-1, keepdims=True)
+    positions = np.clip(positions, 0, seq)
+    keep = positions < seq
+    return -np.mean(logp[np.arange(len(positions))[keep], positions[keep]])
+
+  reference = 0.5 * (ignoring(out.start_logits, start) + ignoring(out.end_logits, end))
+  loss, metrics = jax.jit(model.loss)(created.params, batch)
+  assert np.isfinite(float(loss))
+  np.testing.assert_allclose(float(loss), reference, rtol=1e-5)
+  assert float(metrics['count']) == 6.0

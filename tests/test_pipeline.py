@@ -275,6 +275,40 @@ def test_eval_forward_only_matches_sequential():
   assert float(metrics['correct']) == float(ref_metrics['correct'])
 
 
+@pytest.mark.parametrize('kind,k,schedule,sizes,replicas,micro', [
+    ('vit', 2, '1f1b', None, 4, 2),
+    ('bert-question_answering', 4, 'gpipe', (1, 2, 4, 3), 2, 2),
+    ('bert-regression', 8, '1f1b-fused', (1,) * 8, 1, 4),
+])
+def test_a_padded_batch_trains_on_its_real_rows_only(kind, k, schedule, sizes, replicas, micro):
+  """A last batch padded to size (``example_mask`` 0, as a Loader without
+  ``drop_remainder`` pads it) gives the loss and gradients of its real rows
+  alone, in the train step and in evaluation: micro-batches are weighted by
+  their real rows, so one that is all padding, or a replica's whole share,
+  counts for nothing, and what the padding holds does not matter."""
+  created, partition = _case(kind, k, sizes)
+  model, params = created.model, created.params
+  size, count = 16, 11  # replica shares of 16 // R rows: the later ones hold the padding
+  real = fixtures.batch(kind, model, count, seed=k)
+  junk = fixtures.batch(kind, model, size - count, seed=k + 100)
+  padded = {key: np.concatenate([real[key], junk[key]]) for key in real}
+  padded['example_mask'] = (np.arange(size) < count).astype(np.float32)
+  pipe = pipeline.Pipeline(model, devices=jax.devices()[:k * replicas], fill=NAN)
+  plan = pipeline.Plan(partition, replicas, micro, schedule)
+  stage_params = part.to_stage_params(params, partition)
+  loss, metrics, grads = pipe.grad_fn(plan, stage_params, train=False)(
+      stage_params, padded, jax.random.PRNGKey(0))
+  (ref_loss, _), ref_grads = jax.value_and_grad(
+      lambda p: model.loss(p, real), has_aux=True)(params)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  assert float(metrics['count']) == count
+  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  eval_loss, eval_metrics = pipe.eval_fn(plan, stage_params)(stage_params, padded,
+                                                             jax.random.PRNGKey(0))
+  assert abs(float(eval_loss) - float(ref_loss)) <= 1e-5
+  assert float(eval_metrics['count']) == count
+
+
 @pytest.mark.parametrize('replicas,micro', [(4, 1), (2, 2), (1, 4)])
 def test_dropout_is_reproducible_between_forward_and_recompute(replicas, micro):
   """With dropout, FWD and the BWD recompute must draw the same masks, and

@@ -557,6 +557,36 @@ def test_a_batch_the_frozen_prefix_cannot_split_is_refused_before_training(tmp_p
   assert (trainer.plan.replicas, trainer.plan.pipeline_length) == (2, 4)
 
 
+def test_a_train_loader_that_pads_its_last_batch_trains_on_the_real_samples_only():
+  """A train loader without ``drop_remainder`` pads its last batch with
+  repeated samples (``example_mask`` 0); the trainer's epoch then equals
+  AdamW on the real samples of each batch, computed without the pipeline."""
+  config = _config(policy='none', initial_length=4, micro_batches=2, epochs=1)
+  created = fixtures.tiny('vit', num_layers=4)
+  # Batches of 16, 16, and 10 + 6 padding: a micro-batch of 4 (R = 2, M = 2)
+  # holds 2 real samples and 2 padded, and one holds only padding.
+  data = fixtures.batch('vit', created.model, 42, seed=4)
+  loader = Loader(ArraySource(data), 16, seed=0, drop_remainder=False)
+  trainer = Trainer(created.model, created.params, config, '/nonexistent', loader,
+                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
+                    log=lambda _: None)
+  assert trainer.plan.replicas == 2 and loader.steps_per_epoch() == 3
+  trainer.train_epoch(0, _Bar())
+  _, tx = trainer_lib.optimizer_for(config.train, steps_per_epoch=3)
+  params, state = created.params, tx.init(created.params)
+  step = jax.jit(jax.value_and_grad(lambda p, b: created.model.loss(p, b)[0]))
+  batches = list(loader.epoch(0))
+  assert batches[-1][1]['example_mask'].tolist() == [1.0] * 10 + [0.0] * 6
+  for _, batch in batches:
+    real = batch.pop('example_mask', np.ones(16)) > 0
+    _, grads = step(params, {k: v[real] for k, v in batch.items()})
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  ours = trainer.canonical_params()
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(params), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=0)
+
+
 def test_global_batch_modes():
   assert autodp.global_batch_size(64, 4, 'constant') == 64
   assert autodp.global_batch_size(64, 4, 'per_pipeline') == 256
