@@ -7,8 +7,9 @@ output trained with mean squared error on the [0, 5] similarity scores (as
 HF's BERT does with ``num_labels=1``). Data come from TFDS (array_record,
 ``tfds.data_source``, no TensorFlow): prepare it with ``tfds build glue/sst2
 --file_format=array_record``; without it the command says so in one line and
-exits with code 2. Evaluation is on the validation split
-(``validation_matched`` for MNLI): accuracy, plus F1 (MRPC, QQP) or Matthews
+exits with code 2. Evaluation is on the validation split (MNLI: both,
+``validation_matched`` as ``eval_accuracy`` and ``validation_mismatched`` as
+``eval_accuracy_mismatched``): accuracy, plus F1 (MRPC, QQP) or Matthews
 correlation (CoLA); for STS-B Pearson and Spearman correlation
 (``eval_pearson``, ``eval_spearmanr``) with ``eval_accuracy`` their mean,
 GLUE's combined score.

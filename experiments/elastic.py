@@ -170,7 +170,7 @@ def resolve_data(config, task: str = 'vit'):
     name, _ = text_data.glue_task(config.data.name)
     data = text_data.glue(config.data.name, _tokenizer_path(config), config.data.max_seq_length,
                           config.data.data_dir)
-    data.evaluator = text_eval.GlueEvaluator(name, data.eval.arrays['labels'])
+    data.evaluator = text_eval.GlueEvaluator(name, data.eval.arrays['labels'], data.more_eval)
     return data
   if task == 'bert_squad':
     if config.data.name != 'squad/v1.1':

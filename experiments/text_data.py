@@ -29,11 +29,13 @@ class TextConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
-  """One GLUE task: its text features, classes (1: a regression, STS-B) and
-  eval split."""
+  """One GLUE task: its text features, classes (1: a regression, STS-B), eval
+  split, and further validation splits evaluated beside it (MNLI's
+  mismatched genres), each reported under its own suffix."""
   features: tuple[str, ...]
   num_classes: int
   eval_split: str = 'validation'
+  more_eval_splits: tuple[tuple[str, str], ...] = ()  # (split, metric suffix)
 
   @property
   def regression(self) -> bool:
@@ -49,7 +51,8 @@ GLUE_TASKS = {
     'mrpc': GlueTask(('sentence1', 'sentence2'), 2),
     'stsb': GlueTask(('sentence1', 'sentence2'), 1),
     'qqp': GlueTask(('question1', 'question2'), 2),
-    'mnli': GlueTask(('premise', 'hypothesis'), 3, 'validation_matched'),
+    'mnli': GlueTask(('premise', 'hypothesis'), 3, 'validation_matched',
+                     (('validation_mismatched', '_mismatched'),)),
     'qnli': GlueTask(('question', 'sentence'), 2),
     'rte': GlueTask(('sentence1', 'sentence2'), 2),
     'wnli': GlueTask(('sentence1', 'sentence2'), 2),
@@ -67,6 +70,9 @@ class TextDataset:
       start and end logits).
     max_seq_length: the padded sequence length.
     evaluator: ``(trainer, canonical_params) -> dict`` for the trainer, or None.
+    more_eval: further evaluation sources by metric suffix (MNLI's
+      ``'_mismatched'``: ``validation_mismatched``); the evaluator reports
+      their metrics beside ``eval``'s, e.g. ``eval_accuracy_mismatched``.
   """
   name: str
   train: Any
@@ -74,6 +80,7 @@ class TextDataset:
   num_classes: int
   max_seq_length: int
   evaluator: Callable | None = None
+  more_eval: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def glue_task(name: str) -> tuple[str, GlueTask]:
@@ -168,7 +175,8 @@ def check_lengths(max_seq_length: int, doc_stride: int | None = None) -> None:
 
 
 def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextDataset:
-  """A GLUE task (train, and validation for evaluation).
+  """A GLUE task (train, and validation for evaluation; MNLI's
+  ``validation_mismatched`` too, in ``more_eval['_mismatched']``).
 
   ``tokenizer`` is an HF fast tokenizer, or the path to load one from once
   the data set is found (so a missing data set is reported first). Pair
@@ -180,8 +188,9 @@ def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextD
   task, spec = glue_task(name)
   check_lengths(max_seq_length)
   tfds_name = f'glue/{task}'
+  more = dict(spec.more_eval_splits)
   sources = {split: _data_source(tfds_name, split, data_dir, 'tensorflow_datasets.text.glue')
-             for split in ('train', spec.eval_split)}
+             for split in ('train', spec.eval_split, *more)}
   tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
   out = {}
   for split, source in sources.items():
@@ -195,7 +204,8 @@ def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextD
                         else np.asarray([int(v) for v in labels], np.int32))
     out[split] = ArraySource(arrays)
   return TextDataset(tfds_name, out['train'], out[spec.eval_split], spec.num_classes,
-                     max_seq_length)
+                     max_seq_length,
+                     more_eval={suffix: out[split] for split, suffix in more.items()})
 
 
 @dataclasses.dataclass

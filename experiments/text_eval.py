@@ -35,10 +35,11 @@ class Predictor:
   def __init__(self):
     self._fn = None
 
-  def __call__(self, trainer, params) -> tuple[np.ndarray, Any]:
+  def __call__(self, trainer, params, source=None) -> tuple[np.ndarray, Any]:
     """Returns ``(ids [n], outputs)``: the sample IDs in served order (the
     loader's padding dropped) and the model's logits for them on the host
-    (a tuple of arrays for question answering)."""
+    (a tuple of arrays for question answering). ``source``: another
+    evaluation source, served as the trainer's eval loader serves its own."""
     mesh = Mesh(np.array(trainer.devices), ('batch',))
     batch_sharding = NamedSharding(mesh, P('batch'))
     if self._fn is None:
@@ -48,6 +49,8 @@ class Predictor:
     # train.eval_batch_size (default: 4 x the starting batch), whatever the
     # plan: one compiled forward for the run.
     loader = dataclasses.replace(trainer.eval_loader, batch_size=trainer.eval_batch_size())
+    if source is not None:
+      loader = over_source(loader, source)
     keys = trainer.model.input_keys
     ids, outputs = [], []
     for batch_ids, batch in loader.epoch(0):
@@ -57,6 +60,14 @@ class Predictor:
       outputs.append(jax.tree.map(lambda x, keep=keep: np.asarray(x)[keep], out))
       ids.append(np.asarray(batch_ids)[keep])
     return np.concatenate(ids), jax.tree.map(lambda *xs: np.concatenate(xs), *outputs)
+
+
+def over_source(loader, source):
+  """``loader``'s settings (batch, shards, step cap) over another ``source``:
+  its own IDs, and a fresh record of served IDs for a sharded loader."""
+  if hasattr(loader, 'served'):  # a ShardedLoader: the shards are recomputed for the source
+    return dataclasses.replace(loader, source=source, served=set())
+  return dataclasses.replace(loader, source=source, ids=None)
 
 
 def matthews_correlation(predictions: np.ndarray, labels: np.ndarray) -> float:
@@ -115,17 +126,30 @@ class GlueEvaluator:
   Spearman correlation with the gold scores, ``eval_pearson``,
   ``eval_spearmanr``, and ``eval_accuracy`` their mean (GLUE's combined
   score for STS-B; the headline metric the trainer tracks).
+
+  ``more``: further validation sources by suffix (MNLI's ``'_mismatched'``),
+  evaluated after the main one; their metrics carry the suffix
+  (``eval_accuracy_mismatched``), and the trainer still tracks the main
+  ``eval_accuracy``.
   """
 
-  def __init__(self, task: str, labels: np.ndarray):
+  def __init__(self, task: str, labels: np.ndarray, more: dict | None = None):
     self.task, self.labels = task, np.asarray(labels)
+    self.more = dict(more or {})
     self.predict = Predictor()
 
   def __call__(self, trainer, params) -> dict[str, float]:
-    ids, logits = self.predict(trainer, params)
+    metrics = self._metrics(*self.predict(trainer, params), self.labels)
+    for suffix, source in self.more.items():
+      ids, logits = self.predict(trainer, params, source)
+      more = self._metrics(ids, logits, np.asarray(source.arrays['labels']))
+      metrics.update({key + suffix: value for key, value in more.items()})
+    return metrics
+
+  def _metrics(self, ids, logits, all_labels) -> dict[str, float]:
     if self.task == 'stsb':
-      return self.regression_metrics(np.asarray(logits).reshape(-1), self.labels[ids])
-    predictions, labels = np.argmax(logits, axis=-1), self.labels[ids]
+      return self.regression_metrics(np.asarray(logits).reshape(-1), all_labels[ids])
+    predictions, labels = np.argmax(logits, axis=-1), all_labels[ids]
     metrics = {'eval_accuracy': float(np.mean(predictions == labels)) if len(ids) else 0.0}
     if self.task in ('mrpc', 'qqp'):
       metrics['eval_f1'] = binary_f1(predictions, labels)

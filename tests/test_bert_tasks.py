@@ -21,6 +21,8 @@ import pytest
 from experiments import bert_glue, bert_squad, elastic, text_data, text_eval
 from tests import fixtures
 
+_real_tfds_data_source = text_data.tfds_data_source  # the real one, for spies
+
 # -- STS-B correlations ----------------------------------------------------------------------
 
 def test_pearson_and_spearman_hand_computed():
@@ -320,11 +322,15 @@ def _run_on_mock(config, workdir, task, num_examples):
                               policy=tfds.testing.MockPolicy.USE_CODE):
     return elastic.run(config, workdir, task=task)
 
-def test_glue_pair_task_tokenized_from_mock_tfds():
+def test_glue_pair_task_tokenized_from_mock_tfds(monkeypatch):
   import tensorflow_datasets as tfds  # noqa: PLC0415 - slow to import
   tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  read = []
+  monkeypatch.setattr(text_data, 'tfds_data_source', lambda tfds, name, split, data_dir: (
+      read.append(split), _real_tfds_data_source(tfds, name, split, data_dir))[1])
   with tfds.testing.mock_data(num_examples=12, policy=tfds.testing.MockPolicy.USE_CODE):
     data = text_data.glue('glue/mnli', tokenizer, 24)
+  assert read == ['train', 'validation_matched', 'validation_mismatched']
   assert data.num_classes == 3 and len(data.train) == len(data.eval) == 12
   arrays = data.train.arrays
   assert set(arrays) == {'input_ids', 'attention_mask', 'token_type_ids', 'labels'}
@@ -333,6 +339,49 @@ def test_glue_pair_task_tokenized_from_mock_tfds():
   # Premise then hypothesis: segment 1 follows segment 0 in every row.
   assert np.all(arrays['token_type_ids'].max(axis=1) == 1)
   assert set(np.unique(arrays['labels'])) <= {0, 1, 2}
+  # MNLI's mismatched genres are evaluated too, from their own split.
+  assert list(data.more_eval) == ['_mismatched']
+  mismatched = data.more_eval['_mismatched'].arrays
+  assert set(mismatched) == set(arrays) and len(mismatched['labels']) == 12
+
+
+def test_mnli_reports_the_mismatched_split_beside_the_matched_one():
+  """The GLUE evaluator runs each further split through the eval loader's
+  settings (plain or sharded, padding dropped) and reports its metrics with
+  the split's suffix; ``eval_accuracy`` stays the matched split's. Checked
+  against the model's own logits on each split."""
+  import jax  # noqa: PLC0415
+  from pipejax.data import ArraySource, Loader, ShardedLoader  # noqa: PLC0415
+  created = fixtures.tiny('bert-classification')
+  model, params = created.model, created.params
+  matched = fixtures.batch('bert-classification', model, 21, seed=1)
+  mismatched = fixtures.batch('bert-classification', model, 13, seed=2)
+
+  def accuracy(arrays):
+    logits = np.asarray(jax.jit(model.logits)(params, {k: arrays[k] for k in model.input_keys}))
+    return float(np.mean(np.argmax(logits, -1) == arrays['labels']))
+
+  class Trainer:  # what the evaluator reads of a pipejax Trainer
+    devices = jax.devices()[:8]
+
+    def __init__(self, eval_loader):
+      self.model, self.eval_loader = model, eval_loader
+
+    def eval_batch_size(self):
+      return 16
+
+  for loader in (Loader(ArraySource(matched), 8, shuffle=False, drop_remainder=False),
+                 ShardedLoader(ArraySource(matched), 8, 2, (0, 1), shuffle=False,
+                               drop_remainder=False)):
+    evaluator = text_eval.GlueEvaluator('mnli', matched['labels'],
+                                        {'_mismatched': ArraySource(mismatched)})
+    metrics = evaluator(Trainer(loader), params)
+    assert set(metrics) == {'eval_accuracy', 'eval_accuracy_mismatched'}
+    assert metrics['eval_accuracy'] == pytest.approx(accuracy(matched))
+    assert metrics['eval_accuracy_mismatched'] == pytest.approx(accuracy(mismatched))
+    assert metrics['eval_accuracy'] != metrics['eval_accuracy_mismatched']
+    if isinstance(loader, ShardedLoader):  # the eval loader's record is the matched split's
+      assert loader.served <= set(range(21))
 
 
 def test_glue_stsb_has_float_labels_from_mock_tfds():
