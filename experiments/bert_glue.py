@@ -17,7 +17,8 @@ GLUE's combined score.
 The model is HF ``FlaxBertForSequenceClassification`` from
 ``--config.model.pretrained`` (a local directory or HF cache name; its own
 tokenizer tokenizes the data; the classifier is new unless the checkpoint holds
-one of the task's size). With
+one of the task's size, and a kept one whose ``id2label`` orders the classes
+otherwise than TFDS is reordered to TFDS's order). With
 ``--config.model.pretrained=''`` a randomly initialised ``model.preset``
 (``bert-base``, ``bert-large`` or ``custom``) is trained instead, tokenized
 with ``--config.model.tokenizer=<dir>``.

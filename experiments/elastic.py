@@ -8,6 +8,7 @@ or ``'bert_squad'`` (SQuAD v1.1, ``FlaxBertForQuestionAnswering``)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -260,6 +261,40 @@ def _pretrained(kind: str, path: str, num_labels: int) -> models.Created:
     raise ConfigError(f'model.pretrained: {e}') from e
 
 
+def match_head_labels(created: models.Created, label_names: Sequence[str],
+                      data_name: str) -> models.Created:
+  """A pretrained classifier whose checkpoint names its classes (the HF
+  config's ``id2label``) in another order than the data set's: its outputs
+  reordered to the data's order, as HF's ``run_glue`` maps a checkpoint's
+  labels (names compared without case); one line says so. A head whose names
+  are not the data's is kept as it is, with a warning line; unnamed classes
+  (``LABEL_0``, …: a new head, or a checkpoint without names) are left alone."""
+  hf = created.model.hf_config
+  n = len(label_names)
+  if not n or getattr(hf, 'num_labels', 0) != n or 'classifier' not in created.params['head']:
+    return created
+  names = [str(hf.id2label.get(i, f'LABEL_{i}')) for i in range(n)]
+  if all(name == f'LABEL_{i}' for i, name in enumerate(names)):
+    return created
+  have, want = [x.lower() for x in names], [x.lower() for x in label_names]
+  if have == want:
+    return created
+  if sorted(have) != sorted(want) or len(set(want)) != n:
+    _log(f'warning: the pretrained head names its classes {names}, {data_name} names them '
+         f'{list(label_names)}: the head is used in its own order')
+    return created
+  order = np.array([have.index(name) for name in want])  # data class j: the head's order[j]
+  head = created.params['head']
+  classifier = {'kernel': head['classifier']['kernel'][:, order],
+                'bias': head['classifier']['bias'][order]}
+  hf.id2label = {i: names[k] for i, k in enumerate(order.tolist())}
+  hf.label2id = {name: i for i, name in hf.id2label.items()}
+  _log(f'the pretrained head\'s classes {names} are reordered to {data_name}\'s order '
+       f'{list(label_names)}')
+  return dataclasses.replace(created,
+                             params={**created.params, 'head': {**head, 'classifier': classifier}})
+
+
 def _check_custom_model(m) -> None:
   """The sizes of a ``model.preset='custom'`` model that HF would reject later."""
   for key in ('num_layers', 'hidden_size', 'num_heads', 'intermediate_size'):
@@ -311,6 +346,7 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   m = config.model
   if m.pretrained:
     created = _pretrained(kind, m.pretrained, data.num_classes)
+    created = match_head_labels(created, getattr(data, 'label_names', ()), data.name)
     hf = created.model.hf_config
     types = max((int(np.max(split.arrays['token_type_ids'])) + 1
                  for split in (getattr(data, 'train', None), getattr(data, 'eval', None))

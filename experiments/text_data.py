@@ -73,6 +73,9 @@ class TextDataset:
     more_eval: further evaluation sources by metric suffix (MNLI's
       ``'_mismatched'``: ``validation_mismatched``); the evaluator reports
       their metrics beside ``eval``'s, e.g. ``eval_accuracy_mismatched``.
+    label_names: the class names in label order (TFDS's), () where unknown
+      or a regression; a pretrained head that names its labels is matched to
+      them.
   """
   name: str
   train: Any
@@ -81,6 +84,7 @@ class TextDataset:
   max_seq_length: int
   evaluator: Callable | None = None
   more_eval: dict[str, Any] = dataclasses.field(default_factory=dict)
+  label_names: tuple[str, ...] = ()
 
 
 def glue_task(name: str) -> tuple[str, GlueTask]:
@@ -205,7 +209,17 @@ def glue(name: str, tokenizer, max_seq_length: int, data_dir: str = '') -> TextD
     out[split] = ArraySource(arrays)
   return TextDataset(tfds_name, out['train'], out[spec.eval_split], spec.num_classes,
                      max_seq_length,
-                     more_eval={suffix: out[split] for split, suffix in more.items()})
+                     more_eval={suffix: out[split] for split, suffix in more.items()},
+                     label_names=() if spec.regression else _label_names(sources['train']))
+
+
+def _label_names(source) -> tuple[str, ...]:
+  """The class names of a TFDS source's ``label`` feature, () if it has none."""
+  features = getattr(getattr(source, 'dataset_info', None), 'features', None)
+  try:
+    return tuple(str(name) for name in features['label'].names)
+  except (TypeError, KeyError, AttributeError):
+    return ()
 
 
 @dataclasses.dataclass

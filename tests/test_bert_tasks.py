@@ -496,3 +496,42 @@ def test_bad_model_input_is_one_line(tmp_path, capsys, overrides, message):
     code = elastic.main(config, str(tmp_path / 'w'), task='bert_glue')
   err = capsys.readouterr().err
   assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_pretrained_head_is_reordered_to_the_data_sets_class_names(tmp_path, capsys):
+  """A checkpoint whose classifier names MNLI's classes in its own order
+  (``id2label``) gets its outputs in TFDS's order, as HF's ``run_glue`` maps
+  them; names that are not the data's are kept, with a warning; unnamed
+  classes are left alone."""
+  import jax  # noqa: PLC0415
+  import models  # noqa: PLC0415
+  from transformers import FlaxBertForSequenceClassification  # noqa: PLC0415
+  tfds_names = ('entailment', 'neutral', 'contradiction')
+  config = models.config_for('bert-classification', **{**fixtures.TINY['bert'], 'num_labels': 3},
+                             id2label={0: 'CONTRADICTION', 1: 'Neutral', 2: 'entailment'})
+  FlaxBertForSequenceClassification(config, seed=5).save_pretrained(str(tmp_path / 'mnli'))
+  created = elastic._pretrained('bert-classification', str(tmp_path / 'mnli'), 3)
+  batch = fixtures.batch('bert-classification', created.model, 4, seed=1)
+  before = np.asarray(jax.jit(created.model.logits)(created.params, batch))
+  matched = elastic.match_head_labels(created, tfds_names, 'glue/mnli')
+  after = np.asarray(jax.jit(matched.model.logits)(matched.params, batch))
+  np.testing.assert_array_equal(after, before[:, [2, 1, 0]])
+  assert matched.model.hf_config.id2label == {0: 'entailment', 1: 'Neutral', 2: 'CONTRADICTION'}
+  assert "reordered to glue/mnli's order ['entailment', 'neutral', 'contradiction']" in (
+      capsys.readouterr().out)
+  # Now in the data's order: nothing more to do.
+  assert elastic.match_head_labels(matched, tfds_names, 'glue/mnli') is matched
+  other = elastic._pretrained('bert-classification', str(tmp_path / 'mnli'), 3)
+  assert elastic.match_head_labels(other, ('a', 'b', 'c'), 'glue/x') is other
+  assert 'warning: the pretrained head names its classes' in capsys.readouterr().out
+  unnamed = fixtures.tiny('bert-classification')  # LABEL_0, LABEL_1
+  assert elastic.match_head_labels(unnamed, ('negative', 'positive'), 'glue/sst2') is unnamed
+
+
+def test_glue_label_names_come_from_tfds():
+  import tensorflow_datasets as tfds  # noqa: PLC0415 - slow to import
+  tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  with tfds.testing.mock_data(num_examples=4, policy=tfds.testing.MockPolicy.USE_CODE):
+    assert text_data.glue('glue/mnli', tokenizer, 24).label_names == (
+        'entailment', 'neutral', 'contradiction')
+    assert text_data.glue('glue/stsb', tokenizer, 24).label_names == ()
