@@ -66,11 +66,19 @@ def digits(eval_fraction: float = 0.2, seed: int = 0) -> Dataset:
                  num_classes=10, image_size=8, channels=1)
 
 
-def _imagenet_transform(image_size: int):
+def _imagenet_transform(image_size: int, processor=None):
+  """An example's ``pixel_values [size, size, 3]`` and label: by the HF
+  ``processor`` of a pretrained checkpoint when given (its own resizing and
+  normalisation: ViT's resizes the whole image and scales to [-1, 1]),
+  otherwise the largest centred square resized and scaled to [-1, 1]."""
   from PIL import Image  # noqa: PLC0415
 
   def transform(example):
     img = Image.fromarray(np.asarray(example['image'])).convert('RGB')
+    if processor is not None:
+      pixels = processor(images=img, return_tensors='np')['pixel_values'][0]  # [3, h, w]
+      return {'pixel_values': np.transpose(pixels, (1, 2, 0)).astype(np.float32),
+              'labels': np.int32(example['label'])}
     w, h = img.size
     side = min(w, h)  # centre crop, then resize (deterministic: no augmentation)
     img = img.crop(((w - side) // 2, (h - side) // 2, (w + side) // 2, (h + side) // 2))
@@ -122,11 +130,37 @@ def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
         f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
 
 
-def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012') -> Dataset:
-  """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`."""
+def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012',
+             make_processor: Callable[[], object] | None = None) -> Dataset:
+  """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`.
+  ``make_processor``: called once the data are found, gives a pretrained
+  checkpoint's HF image processor to prepare the images, or None (see
+  :func:`image_processor`)."""
   tfds = import_tfds(name)
   train = tfds_data_source(tfds, name, 'train', data_dir)
   evaluation = tfds_data_source(tfds, name, 'validation', data_dir)
-  transform = _imagenet_transform(image_size)
+  transform = _imagenet_transform(image_size, make_processor() if make_processor else None)
   return Dataset(name, TfdsSource(train, transform), TfdsSource(evaluation, transform),
                  num_classes=1000, image_size=image_size, channels=3)
+
+
+def image_processor(path: str, image_size: int, log=print):
+  """The HF image processor saved with the pretrained checkpoint ``path``
+  (its ``preprocessor_config.json``), checked to give ``image_size`` square
+  images; None, said in one line, where the checkpoint has none (the images
+  are then centre-cropped and scaled to [-1, 1]). :class:`ValueError` (one
+  line) where it gives another size."""
+  from transformers import AutoImageProcessor  # noqa: PLC0415 - heavy import kept local
+  try:
+    processor = AutoImageProcessor.from_pretrained(path, use_fast=False)
+  except (OSError, ValueError) as e:
+    text = str(e).strip()
+    log(f'{path!r} has no image processor ({text.splitlines()[0][:120] if text else type(e).__name__}); '
+        f'ImageNet images are centre-cropped and scaled to [-1, 1]')
+    return None
+  from PIL import Image  # noqa: PLC0415
+  shape = processor(images=Image.new('RGB', (300, 200)), return_tensors='np')['pixel_values'].shape
+  if tuple(shape[1:]) != (3, image_size, image_size):
+    raise ValueError(f'the image processor of {path!r} makes images of {shape[2]}x{shape[3]}, '
+                     f'not the {image_size}x{image_size} of data.image_size')
+  return processor

@@ -201,7 +201,8 @@ def resolve_data(config, task: str = 'vit'):
     reason = datasets.imagenet_missing(data_dir) if name == 'auto' else None
     if reason is None:
       try:
-        return datasets.imagenet(data_dir, config.data.image_size)
+        return datasets.imagenet(data_dir, config.data.image_size,
+                                 make_processor=lambda: _image_processor(config))
       except datasets.DatasetMissing as e:
         root = data_dir or os.environ.get('TFDS_DATA_DIR', '')
         if name != 'auto' or '://' not in root:
@@ -330,6 +331,18 @@ def check_tokenizer_fits(config) -> None:
     raise ConfigError(f'the tokenizer of {_tokenizer_path(config)!r} has {words} tokens, the '
                       f'model {m.pretrained!r} embeds {vocab}: use the model\'s own tokenizer '
                       f'(leave model.tokenizer empty)')
+
+
+def _image_processor(config):
+  """``model.pretrained``'s HF image processor for ImageNet, or None (no
+  checkpoint, or one saved without a processor)."""
+  path = config.model.get('pretrained', '')
+  if not path:
+    return None
+  try:
+    return datasets.image_processor(path, config.data.image_size, log=_log)
+  except ValueError as e:
+    raise ConfigError(f'model.pretrained: {e}') from e
 
 
 def check_kind(config, task: str) -> None:

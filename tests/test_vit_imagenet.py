@@ -155,6 +155,47 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
   assert rows[1]['frozen_layers'] == 2
 
 
+def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tmp_path, capsys):
+  """With ``model.pretrained`` saved with an HF image processor, ImageNet
+  images are what that processor makes (ViT's: the whole image resized, then
+  its mean and std), checked against PIL and numpy; without one, the largest
+  centred square, scaled to [-1, 1], and one line says so; a processor of
+  another size than ``data.image_size`` is one config error."""
+  import tensorflow_datasets as tfds  # noqa: PLC0415 - slow to import
+  from PIL import Image  # noqa: PLC0415
+  from transformers import ViTImageProcessor  # noqa: PLC0415
+  mean, std = np.array([0.2, 0.4, 0.6]), np.array([0.5, 0.25, 0.125])
+  with_processor, without = tmp_path / 'vit', tmp_path / 'bare'
+  for folder in (with_processor, without):
+    folder.mkdir()
+  ViTImageProcessor(size={'height': 16, 'width': 16}, image_mean=mean.tolist(),
+                    image_std=std.tolist()).save_pretrained(str(with_processor))
+  config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
+                                'data.data_dir': str(tmp_path / 'tfds'),
+                                'model.pretrained': str(with_processor)})
+  with tfds.testing.mock_data(num_examples=3, policy=tfds.testing.MockPolicy.USE_CODE):
+    raw = tfds.data_source('imagenet2012', split='train')[1]['image']
+    assert raw.shape[0] != raw.shape[1] or raw.shape[0] != 16  # a resize that changes something
+    data = elastic.resolve_data(config)
+    got = data.train[np.array([1])]['pixel_values'][0]
+    whole = np.asarray(Image.fromarray(raw).resize((16, 16), Image.BILINEAR), np.float64) / 255
+    np.testing.assert_allclose(got, (whole - mean) / std, atol=1e-4)
+    with config.unlocked():
+      config.model.pretrained = str(without)
+    got = elastic.resolve_data(config).train[np.array([1])]['pixel_values'][0]
+    assert "has no image processor" in capsys.readouterr().out
+    side = min(raw.shape[:2])
+    top, left = (raw.shape[0] - side) // 2, (raw.shape[1] - side) // 2
+    square = Image.fromarray(raw[top:top + side, left:left + side])
+    np.testing.assert_allclose(
+        got, np.asarray(square.resize((16, 16), Image.BILINEAR), np.float32) / 127.5 - 1.0,
+        atol=1e-6)
+    with config.unlocked():
+      config.model.pretrained, config.data.image_size = str(with_processor), 32
+    with pytest.raises(elastic.ConfigError, match='makes images of 16x16, not the 32x32'):
+      elastic.resolve_data(config)
+
+
 @pytest.mark.parametrize('args,message', [
     (['--config.freeze.alpha=1.5'], 'alpha must be in (0, 1), got 1.5'),
     (['--config.freeze.policy=eq1'], "unknown freeze policy 'eq1'"),
