@@ -852,6 +852,12 @@ def _runtime_cause(error: BaseException) -> jax.errors.JaxRuntimeError | None:
   return None
 
 
+_OUT_OF_MEMORY_ADVICE = (
+    'a fixed, larger pipeline.micro_batches (smaller micro-batches) or a smaller '
+    'train.eval_batch_size holds less at once, and a resumed run may change either; a '
+    'smaller train.batch_size needs a new run (another --workdir)')
+
+
 def _how_to_resume(config, stop: TrainingInterrupted) -> str:
   """What continues an interrupted run: the same command, unless it would
   start over (``--config.resume=False``) or nothing was saved."""
@@ -878,7 +884,8 @@ def main(config, workdir: str | None, task: str) -> int:
     # several processes the others are told (they would wait for this one).
     except (*KNOWN_ERRORS, OSError) as e:
       cause = _runtime_cause(e)
-      if cause is not None:  # e.g. a checkpoint barrier that a lost peer broke
+      if cause is not None and 'RESOURCE_EXHAUSTED' not in str(cause):
+        # e.g. a checkpoint barrier that a lost peer broke
         distributed.exit_if_peer_lost(cause, _checkpoint_dir(workdir))  # several processes
       print(f'error: {e}', file=sys.stderr)
       distributed.tell_job_of_error(str(e))
@@ -888,6 +895,12 @@ def main(config, workdir: str | None, task: str) -> int:
       distributed.tell_job_of_error('aborted (a second interrupt)')
       return resume.EXIT_ABORTED
     except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' in str(e):  # this process's devices ran out of memory: no bug
+        line = (f'out of device memory ({distributed.first_line(str(e), 200)}); '
+                f'{_OUT_OF_MEMORY_ADVICE}')
+        print(f'error: {line}', file=sys.stderr)
+        distributed.tell_job_of_error(line)
+        return 2
       # Several processes: one line, no hang at exit.
       distributed.exit_if_peer_lost(e, _checkpoint_dir(workdir))
       raise

@@ -644,6 +644,47 @@ def test_a_checkpoint_error_from_a_broken_collective_is_a_lost_peer():
   assert elastic._runtime_cause(CheckpointError('no readable checkpoint')) is None
 
 
+def test_running_out_of_device_memory_is_one_line_told_to_the_job(watched_job, monkeypatch):
+  """A process's own out-of-memory error (XLA's RESOURCE_EXHAUSTED) is no
+  bug and no lost peer: one line with what holds less memory, exit code 2,
+  and the job is told; behind a checkpoint error too. Another runtime error
+  is still raised."""
+  store, _, capfd = watched_job
+  oom = jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+                                   '1.50GiB\nsecond line')
+  from pipejax.checkpoints import CheckpointError
+
+  def behind_a_checkpoint():
+    try:
+      raise oom
+    except jax.errors.JaxRuntimeError as e:
+      raise CheckpointError('writing the checkpoint of step 8 failed') from e
+
+  config = vit_imagenet.get_config()
+  lost = []  # what was taken for a lost peer
+  monkeypatch.setattr(distributed, 'exit_if_peer_lost', lambda error, _: lost.append(error))
+  for raised, expected in ((oom, 'error: out of device memory (RESOURCE_EXHAUSTED: Out of '
+                                 'memory while trying to allocate 1.50GiB); a fixed, larger '
+                                 'pipeline.micro_batches'),
+                           (behind_a_checkpoint, 'error: writing the checkpoint of step 8 '
+                                                 'failed')):
+    def run(*args, raised=raised, **kwargs):
+      raise raised() if callable(raised) else raised
+    monkeypatch.setattr(elastic, 'run', run)
+    monkeypatch.setattr(distributed, '_failing', threading.Event())
+    store.values.clear()
+    assert elastic.main(config, None, 'vit') == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(expected), err
+    assert store.values['pipejax/failed/0'] == err[0][len('error: '):]
+  assert lost == []
+  other = jax.errors.JaxRuntimeError('INTERNAL: something else')
+  monkeypatch.setattr(elastic, 'run', lambda *a, **k: (_ for _ in ()).throw(other))
+  with pytest.raises(jax.errors.JaxRuntimeError, match='something else'):
+    elastic.main(config, None, 'vit')
+  assert lost == [other]
+
+
 def test_one_process_neither_watches_nor_tells(monkeypatch):
   monkeypatch.setattr(distributed, '_failing', threading.Event())
   assert distributed.watch_for_failures(None) is None
