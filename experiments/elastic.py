@@ -884,7 +884,7 @@ def main(config, workdir: str | None, task: str) -> int:
     # several processes the others are told (they would wait for this one).
     except (*KNOWN_ERRORS, OSError) as e:
       cause = _runtime_cause(e)
-      if cause is not None and 'RESOURCE_EXHAUSTED' not in str(cause):
+      if cause is not None and not runtime.out_of_memory(cause):
         # e.g. a checkpoint barrier that a lost peer broke
         distributed.exit_if_peer_lost(cause, _checkpoint_dir(workdir))  # several processes
       print(f'error: {e}', file=sys.stderr)
@@ -895,7 +895,7 @@ def main(config, workdir: str | None, task: str) -> int:
       distributed.tell_job_of_error('aborted (a second interrupt)')
       return resume.EXIT_ABORTED
     except jax.errors.JaxRuntimeError as e:
-      if 'RESOURCE_EXHAUSTED' in str(e):  # this process's devices ran out of memory: no bug
+      if runtime.out_of_memory(e):  # this process's devices ran out of memory: no bug
         line = (f'out of device memory ({distributed.first_line(str(e), 200)}); '
                 f'{_OUT_OF_MEMORY_ADVICE}')
         print(f'error: {line}', file=sys.stderr)

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pipejax import diskcache
+from pipejax import diskcache, runtime
 
 
 #: The meta key of a packed state's layout: ``[dtype name, shape, offset, key
@@ -270,7 +270,7 @@ class Checkpoints:
     return None
 
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
-    if isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in str(error):
+    if runtime.out_of_memory(error):
       raise error  # the machine's (or the devices') memory, not the checkpoint
     text = str(error).strip()
     detail = text.splitlines()[0][:200] if text else type(error).__name__

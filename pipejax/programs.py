@@ -28,7 +28,8 @@ checked before anything in it is read, so that a damaged file is never
 deserialised (a flipped bit in an exported module can crash XLA or, worse,
 still verify as another program). An entry that cannot be read back
 (truncated, damaged, written by another build) is reported in one line,
-removed and traced afresh, never used.
+removed and traced afresh, never used. Memory running out while an entry
+loads (the host's, or a device's) is raised as it is: the entry stays.
 With several processes the store is off.
 
 Beside a program the store keeps its compiled XLA executable
@@ -84,7 +85,7 @@ from jax import export as jax_export
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipejax import diskcache
+from pipejax import diskcache, runtime
 
 DEFAULT_MAX_BYTES = 1 << 30
 # XLA:CPU's option for the library fusions (an empty list turns them all off).
@@ -236,6 +237,8 @@ class ProgramStore:
         try:
           compiled, fresh, content = self._load(path, args, donate_argnums, options)
         except Exception as e:  # noqa: BLE001 - any unusable entry is traced afresh
+          if runtime.out_of_memory(e):
+            raise  # the memory, not the entry: it stays
           self._count('corrupt')
           self.log(f'program store: {os.path.basename(path)} is unusable '
                    f'({type(e).__name__}: {str(e)[:160]}); removed and traced afresh')
@@ -292,6 +295,8 @@ class ProgramStore:
       compiled = serialize_executable.deserialize_and_load(
           payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
     except Exception as e:  # noqa: BLE001 - any unusable executable is compiled afresh
+      if runtime.out_of_memory(e):
+        raise  # the memory, not the executable: it stays
       self._count('executables_unusable')
       self.log(f'program store: {os.path.basename(executable)} is unusable '
                f'({type(e).__name__}: {str(e)[:160]}); removed, compiled from its program')

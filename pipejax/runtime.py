@@ -85,6 +85,13 @@ def init_cache_dir() -> str | None:
   return path or None
 
 
+def out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` is the host's memory (``MemoryError``) or a device's
+  (XLA's ``RESOURCE_EXHAUSTED``) running out: never a damaged file, a lost
+  peer or a bug, so nothing is removed or blamed for it."""
+  return isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in str(error)
+
+
 def exit_now(code: int) -> NoReturn:
   """``sys.exit(code)`` for an entry point's last line, without the
   interpreter's final teardown.

@@ -303,6 +303,34 @@ def test_an_unusable_executable_is_reported_and_compiled_from_its_program(tmp_pa
   assert store.stats()['executables_loaded'] == 1
 
 
+@pytest.mark.parametrize('error', [MemoryError(), RuntimeError(
+    'RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB')])
+def test_memory_running_out_while_loading_removes_nothing(tmp_path, monkeypatch, error):
+  """Memory that runs out while an entry loads (the host's, or a device's)
+  is no damage: the error is raised and the executable and program stay,
+  where damage would remove them."""
+  state, batch = _args()
+  with _jax_cache(0.0):
+    ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail).compile(
+        'step', ('k',), _spec((state, batch)), _build([], _salt()), donate_argnums=(0,))
+  kept = sorted(os.listdir(tmp_path))
+  assert _files(tmp_path, EXECUTABLE_SUFFIX) and _files(tmp_path, PROGRAM_SUFFIX)
+
+  def fail(*args, **kwargs):
+    raise error
+
+  for target, name in ((programs.serialize_executable, 'deserialize_and_load'),
+                       (ProgramStore, '_load')):
+    with monkeypatch.context() as patch:
+      if name == '_load':  # the program, once no executable is read
+        patch.setattr(ProgramStore, '_load_executable', lambda self, path: None)
+      patch.setattr(target, name, fail)
+      store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+      with pytest.raises(type(error)):
+        store.compile('step', ('k',), _spec(_args()), pytest.fail, donate_argnums=(0,))
+    assert sorted(os.listdir(tmp_path)) == kept
+
+
 @pytest.mark.parametrize('damage', ['truncate', 'garbage', 'bit'])
 def test_an_unusable_entry_is_reported_removed_and_traced_afresh(tmp_path, damage):
   state, batch = _args()
