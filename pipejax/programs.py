@@ -28,8 +28,10 @@ checked before anything in it is read, so that a damaged file is never
 deserialised (a flipped bit in an exported module can crash XLA or, worse,
 still verify as another program). An entry that cannot be read back
 (truncated, damaged, written by another build) is reported in one line,
-removed and traced afresh, never used. Memory running out while an entry
-loads (the host's, or a device's) is raised as it is: the entry stays.
+removed and traced afresh, never used; a program just traced whose stored
+form does not load back is compiled as traced and not kept. Memory running
+out while an entry loads (the host's, or a device's) is raised as it is:
+the entry stays.
 With several processes the store is off.
 
 Beside a program the store keeps its compiled XLA executable
@@ -258,9 +260,17 @@ class ProgramStore:
     else:
       # Compiled from the stored form even now: the executable kept is the one
       # a later run without it would compile.
-      compiled, fresh, content = self._from_entry(entry, args, donate_argnums, options, path)
-      if self._write(path, entry):
-        self._keep_executable(path, compiled, fresh, content)
+      try:
+        compiled, fresh, content = self._from_entry(entry, args, donate_argnums, options, path)
+      except Exception as e:  # noqa: BLE001 - the traced program is still at hand
+        if runtime.out_of_memory(e):
+          raise
+        self.log(f'program store: {os.path.basename(path)} does not load back '
+                 f'({type(e).__name__}: {str(e)[:160]}); compiled as traced, not kept')
+        compiled = jitted.lower(*args).compile(compiler_options=options)
+      else:
+        if self._write(path, entry):
+          self._keep_executable(path, compiled, fresh, content)
     self._count('misses', 'compile_seconds', time.perf_counter() - t0)
     return compiled
 

@@ -303,6 +303,32 @@ def test_an_unusable_executable_is_reported_and_compiled_from_its_program(tmp_pa
   assert store.stats()['executables_loaded'] == 1
 
 
+def test_a_traced_program_whose_stored_form_does_not_load_back_is_compiled_as_traced(
+    tmp_path, monkeypatch):
+  """A program just traced is compiled from its exported form, so that the
+  executable kept is a later run's; where that form does not load back, the
+  traced program is compiled instead (the same results), nothing is kept,
+  and one line says so."""
+  state, batch = _args()
+  want = ProgramStore(str(tmp_path / 'plain'), {'run': 1}, log=pytest.fail).compile(
+      'step', ('k',), _spec((state, batch)), _build([]), donate_argnums=(0,))(state, batch)
+
+  def refuse(*args, **kwargs):
+    raise ValueError('cannot deserialize the module')
+
+  monkeypatch.setattr(ProgramStore, '_from_entry', refuse)
+  messages = []
+  store = ProgramStore(str(tmp_path / 'store'), {'run': 1}, log=messages.append)
+  state, batch = _args()
+  got = store.compile('step', ('k',), _spec((state, batch)), _build([]),
+                      donate_argnums=(0,))(state, batch)
+  assert _bits(got) == _bits(want)
+  assert len(messages) == 1 and 'does not load back (ValueError: cannot deserialize the ' \
+      'module); compiled as traced, not kept' in messages[0], messages
+  assert not _files(tmp_path / 'store', PROGRAM_SUFFIX)
+  assert not _files(tmp_path / 'store', EXECUTABLE_SUFFIX)
+
+
 @pytest.mark.parametrize('error', [MemoryError(), RuntimeError(
     'RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB')])
 def test_memory_running_out_while_loading_removes_nothing(tmp_path, monkeypatch, error):
