@@ -146,20 +146,36 @@ def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012',
 
 def image_processor(path: str, image_size: int, log=print):
   """The HF image processor saved with the pretrained checkpoint ``path``
-  (its ``preprocessor_config.json``), checked to give ``image_size`` square
-  images; None, said in one line, where the checkpoint has none (the images
-  are then centre-cropped and scaled to [-1, 1]). :class:`ValueError` (one
-  line) where it gives another size."""
-  from transformers import AutoImageProcessor  # noqa: PLC0415 - heavy import kept local
-  try:
-    processor = AutoImageProcessor.from_pretrained(path, use_fast=False)
-  except (OSError, ValueError) as e:
-    text = str(e).strip()
-    log(f'{path!r} has no image processor ({text.splitlines()[0][:120] if text else type(e).__name__}); '
-        f'ImageNet images are centre-cropped and scaled to [-1, 1]')
+  (its ``preprocessor_config.json``, in the folder or the local HF cache),
+  checked to give ``image_size`` square images. None where the checkpoint
+  has none (said in one line: the images are then centre-cropped and scaled
+  to [-1, 1]) or cannot be found (loading the model then says why).
+  :class:`ValueError` (one line) where it cannot be loaded or gives another
+  size."""
+  from transformers.utils import cached_file  # noqa: PLC0415 - heavy import kept local
+
+  def find(name):
+    try:
+      return cached_file(path, name, local_files_only=True,
+                         _raise_exceptions_for_missing_entries=False)
+    except Exception:  # noqa: BLE001 - not a folder nor a cached model name
+      return None
+
+  if find('preprocessor_config.json') is None:
+    if find('config.json') is not None:  # a checkpoint, saved without a processor
+      log(f'{path!r} has no image processor (preprocessor_config.json); ImageNet images are '
+          f'centre-cropped and scaled to [-1, 1]')
     return None
-  from PIL import Image  # noqa: PLC0415
-  shape = processor(images=Image.new('RGB', (300, 200)), return_tensors='np')['pixel_values'].shape
+  try:
+    from PIL import Image  # noqa: PLC0415
+    from transformers import AutoImageProcessor  # noqa: PLC0415
+    processor = AutoImageProcessor.from_pretrained(path, use_fast=False)
+    shape = processor(images=Image.new('RGB', (300, 200)),
+                      return_tensors='np')['pixel_values'].shape
+  except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
+    text = str(e).strip()
+    raise ValueError(f'cannot use the image processor of {path!r}: '
+                     f'{text.splitlines()[0][:160] if text else type(e).__name__}') from e
   if tuple(shape[1:]) != (3, image_size, image_size):
     raise ValueError(f'the image processor of {path!r} makes images of {shape[2]}x{shape[3]}, '
                      f'not the {image_size}x{image_size} of data.image_size')

@@ -8,6 +8,7 @@ or ``'bert_squad'`` (SQuAD v1.1, ``FlaxBertForQuestionAnswering``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 import json
@@ -288,11 +289,12 @@ def match_head_labels(created: models.Created, label_names: Sequence[str],
   head = created.params['head']
   classifier = {'kernel': head['classifier']['kernel'][:, order],
                 'bias': head['classifier']['bias'][order]}
+  hf = copy.deepcopy(hf)  # the caller's model and config stay as they were
   hf.id2label = {i: names[k] for i, k in enumerate(order.tolist())}
   hf.label2id = {name: i for i, name in hf.id2label.items()}
   _log(f'the pretrained head\'s classes {names} are reordered to {data_name}\'s order '
        f'{list(label_names)}')
-  return dataclasses.replace(created,
+  return dataclasses.replace(created, model=models.build(created.model.name, hf),
                              params={**created.params, 'head': {**head, 'classifier': classifier}})
 
 

@@ -64,7 +64,8 @@ class Predictor:
 
 def over_source(loader, source):
   """``loader``'s settings (batch, shards, step cap) over another ``source``:
-  its own IDs, and a fresh record of served IDs for a sharded loader."""
+  all of its IDs (a plain loader's ``ids`` subset is not carried over), and a
+  fresh record of served IDs for a sharded loader."""
   if hasattr(loader, 'served'):  # a ShardedLoader: the shards are recomputed for the source
     return dataclasses.replace(loader, source=source, served=set())
   return dataclasses.replace(loader, source=source, ids=None)

@@ -109,7 +109,10 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
             else mask.astype(jnp.float32))
     # As HF's BertForQuestionAnswering: a position outside the sequence is
     # clamped to its length, and that position's loss is left out (the mean
-    # is over the others); it can never be predicted exactly.
+    # is over the others); it can never be predicted exactly. The pipeline
+    # weighs micro-batches by their real examples, so with such positions its
+    # loss is that of gradient accumulation over the micro-batches, not
+    # exactly this function's over the whole batch.
     length = start_logits.shape[-1]
     start = jnp.clip(batch['start_positions'], 0, length)
     end = jnp.clip(batch['end_positions'], 0, length)

@@ -174,12 +174,13 @@ def unit_rng(rng: jax.Array | None, unit: int) -> jax.Array | None:
 
 def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
   """Mean of ``values [b]`` over the rows where ``mask [b]`` is 1 (all rows
-  without a mask); 0 when no row counts. Padded rows (``example_mask`` 0) may
-  hold anything finite: they get weight 0, not a share of the mean."""
+  without a mask); 0 when no row counts. Padded rows (``example_mask`` 0) are
+  left out, whatever they hold (a NaN of an out-of-range label too)."""
   if mask is None:
     return jnp.mean(values)
-  mask = mask.astype(values.dtype)
-  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  keep = mask > 0
+  return (jnp.sum(jnp.where(keep, values, 0.0))
+          / jnp.maximum(jnp.sum(keep.astype(values.dtype)), 1.0))
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,

@@ -500,7 +500,8 @@ class Pipeline:
     """The compiled ``(stage_params, batch, rng) -> (loss, metrics, grads)``.
 
     ``loss`` is the mean loss over the global batch (over its real rows when
-    it has an ``example_mask``), ``metrics`` the summed metrics, ``grads`` has the layout and sharding of ``stage_params``.
+    it has an ``example_mask``), ``metrics`` the summed metrics, ``grads``
+    has the layout and sharding of ``stage_params``.
     ``train=False`` disables dropout. ``rng`` is a PRNG key (ignored without
     dropout).
     """
@@ -508,7 +509,7 @@ class Pipeline:
 
   def eval_fn(self, plan: Plan, stage_params: Params):
     """The compiled forward-only ``(stage_params, batch, rng) -> (loss, metrics)``:
-    the loss and metrics of :meth:`train_fn`, padded rows left out alike."""
+    the loss and metrics of :meth:`grad_fn`, padded rows left out alike."""
     return self._build(plan, stage_params, False, forward=True)
 
 

@@ -89,7 +89,7 @@ def out_of_memory(error: BaseException) -> bool:
   """Whether ``error`` is the host's memory (``MemoryError``) or a device's
   (XLA's ``RESOURCE_EXHAUSTED``) running out: never a damaged file, a lost
   peer or a bug, so nothing is removed or blamed for it."""
-  return isinstance(error, MemoryError) or 'RESOURCE_EXHAUSTED' in str(error)
+  return isinstance(error, MemoryError) or str(error).lstrip().startswith('RESOURCE_EXHAUSTED')
 
 
 def exit_now(code: int) -> NoReturn:

@@ -517,6 +517,7 @@ def test_a_pretrained_head_is_reordered_to_the_data_sets_class_names(tmp_path, c
   after = np.asarray(jax.jit(matched.model.logits)(matched.params, batch))
   np.testing.assert_array_equal(after, before[:, [2, 1, 0]])
   assert matched.model.hf_config.id2label == {0: 'entailment', 1: 'Neutral', 2: 'CONTRADICTION'}
+  assert created.model.hf_config.id2label[0] == 'CONTRADICTION'  # the caller's is untouched
   assert "reordered to glue/mnli's order ['entailment', 'neutral', 'contradiction']" in (
       capsys.readouterr().out)
   # Now in the data's order: nothing more to do.
@@ -526,6 +527,16 @@ def test_a_pretrained_head_is_reordered_to_the_data_sets_class_names(tmp_path, c
   assert 'warning: the pretrained head names its classes' in capsys.readouterr().out
   unnamed = fixtures.tiny('bert-classification')  # LABEL_0, LABEL_1
   assert elastic.match_head_labels(unnamed, ('negative', 'positive'), 'glue/sst2') is unnamed
+  # The GLUE job's model loading matches the head to its data.
+  from pipejax.data import ArraySource  # noqa: PLC0415
+  arrays = ArraySource(fixtures.batch('bert-classification', created.model, 4, seed=2))
+  data = text_data.TextDataset('glue/mnli', arrays, arrays, 3, 8, label_names=tfds_names)
+  config = bert_glue.get_config()
+  with config.unlocked():
+    config.model.pretrained = str(tmp_path / 'mnli')
+  loaded = elastic._bert_model(config, data, 'bert-classification')
+  np.testing.assert_array_equal(loaded.params['head']['classifier']['kernel'],
+                                matched.params['head']['classifier']['kernel'])
 
 
 def test_glue_label_names_come_from_tfds():

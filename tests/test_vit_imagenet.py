@@ -170,6 +170,7 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     folder.mkdir()
   ViTImageProcessor(size={'height': 16, 'width': 16}, image_mean=mean.tolist(),
                     image_std=std.tolist()).save_pretrained(str(with_processor))
+  (without / 'config.json').write_text('{"model_type": "vit"}')  # a checkpoint, no processor
   config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
                                 'data.data_dir': str(tmp_path / 'tfds'),
                                 'model.pretrained': str(with_processor)})
@@ -194,6 +195,12 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
       config.model.pretrained, config.data.image_size = str(with_processor), 32
     with pytest.raises(elastic.ConfigError, match='makes images of 16x16, not the 32x32'):
       elastic.resolve_data(config)
+    (with_processor / 'preprocessor_config.json').write_text('{"image_processor_type": 7')
+    with pytest.raises(elastic.ConfigError, match='cannot use the image processor of'):
+      elastic.resolve_data(config)
+    with config.unlocked():  # no such checkpoint: loading the model will say so, not this
+      config.model.pretrained = str(tmp_path / 'typo')
+    assert datasets.image_processor(config.model.pretrained, 16, log=pytest.fail) is None
 
 
 @pytest.mark.parametrize('args,message', [
