@@ -361,7 +361,8 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   m = config.model
   if m.pretrained:
     created = _pretrained(kind, m.pretrained, data.num_classes)
-    created = match_head_labels(created, getattr(data, 'label_names', ()), data.name)
+    if getattr(data, 'label_names', ()):  # GLUE's classes, named by TFDS
+      created = match_head_labels(created, data.label_names, data.name)
     hf = created.model.hf_config
     types = max((int(np.max(split.arrays['token_type_ids'])) + 1
                  for split in (getattr(data, 'train', None), getattr(data, 'eval', None))
