@@ -8,8 +8,9 @@ import pytest
 
 from pipejax import autocache_policy
 from pipejax.autocache import ActivationCache
-from pipejax.data import ArraySource
+from pipejax.data import ArraySource, Loader
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
+from pipejax.trainer import Trainer
 
 from tests import fixtures
 from tests.test_trainer import _Bar, _config, _trainer
@@ -58,6 +59,42 @@ def test_cached_training_equals_uncached(uncached):
   assert stats['misses'] == samples and stats['advanced'] == samples
   assert stats['hits'] == 2 * samples
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 3)
+
+
+def test_a_padded_last_batch_trains_the_same_from_the_cache():
+  """A train loader that pads its last batch (57 samples in batches of 16:
+  the last holds 9, one micro-batch of a replica half padding): the cached
+  prefix feeds ``example_mask`` as the computed one does, so the losses
+  agree, and a padded (repeated) sample is cached and advanced once."""
+  def run(cache):
+    config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4,
+                     epochs=3)
+    with config.unlocked():
+      config.cache.update(enabled=cache, policy='always')
+    created = fixtures.tiny('vit', num_layers=4)
+    data = ArraySource(fixtures.batch('vit', created.model, 57, seed=4))
+    loader = Loader(data, 16, seed=0, drop_remainder=False)
+    trainer = Trainer(created.model, created.params, config, '/nonexistent', loader,
+                      Loader(data, 16, shuffle=False, drop_remainder=False),
+                      log=lambda _: None)
+    sample = next(iter(loader.epoch(0)))[1]
+    losses = []
+    for epoch in range(3):
+      losses.append(trainer.train_epoch(epoch, _Bar())['train_loss'])
+      if epoch < 2:
+        trainer.maybe_transition(epoch, sample)
+    return trainer, np.array(losses)
+
+  _, plain = run(False)
+  trainer, cached = run(True)
+  assert trainer.prefix.use_cache and trainer.plan.partition.num_frozen_layers == 3
+  np.testing.assert_allclose(cached, plain, rtol=1e-5)
+  stats = trainer.prefix.cache.stats()
+  assert stats['repeated_layer_passes'] == 0 and stats['misses'] == 57
+  ids, last = list(trainer.train_loader.epoch(3))[-1]  # both paths feed the mask
+  fed = trainer.prefix.feed(ids, last, trainer.plan, trainer.state['frozen'])
+  np.testing.assert_array_equal(np.asarray(fed['example_mask']), last['example_mask'])
+  assert np.asarray(last['example_mask']).sum() == 9
 
 
 def test_bfloat16_entries_bound(uncached):

@@ -309,6 +309,25 @@ def test_a_padded_batch_trains_on_its_real_rows_only(kind, k, schedule, sizes, r
   assert float(eval_metrics['count']) == count
 
 
+def test_a_padded_batch_after_the_frozen_prefix_trains_on_its_real_rows_only():
+  """What the trainer feeds past a frozen prefix (the prefix's hidden states,
+  the labels and ``example_mask``) weighs the real rows only, as the batch
+  itself does: the loss is the real rows' (a replica of 4 holds 1 real row)."""
+  created, partition = _case('vit', 2, None, frozen=2)
+  model, params = created.model, created.params
+  real = fixtures.batch('vit', model, 9, seed=6)
+  junk = fixtures.batch('vit', model, 7, seed=7)
+  padded = {key: np.concatenate([real[key], junk[key]]) for key in real}
+  feed = {'hidden': np.asarray(model.hidden_states(params, padded, upto_layer=2)),
+          'labels': padded['labels'], 'example_mask': (np.arange(16) < 9).astype(np.float32)}
+  stage_params = part.to_stage_params(params, partition)
+  pipe = pipeline.Pipeline(model, fill=NAN)
+  loss, metrics, _ = pipe.grad_fn(pipeline.Plan(partition, 4, 2), stage_params, train=False)(
+      stage_params, feed, jax.random.PRNGKey(0))
+  assert abs(float(loss) - float(model.loss(params, real)[0])) <= 1e-5
+  assert float(metrics['count']) == 9
+
+
 @pytest.mark.parametrize('replicas,micro', [(4, 1), (2, 2), (1, 4)])
 def test_dropout_is_reproducible_between_forward_and_recompute(replicas, micro):
   """With dropout, FWD and the BWD recompute must draw the same masks, and
