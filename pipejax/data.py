@@ -12,7 +12,10 @@ host's share of the IDs for the whole run and the Loader shuffles within it
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
@@ -48,26 +51,51 @@ class DataReadError(RuntimeError):
 
 class TfdsSource:
   """A ``tfds.data_source`` (array_record, random access, no TensorFlow)
-  mapped example by example through ``transform(example) -> dict``."""
+  mapped example by example through ``transform(example) -> dict``.
+
+  A batch's examples are read, decoded and transformed by ``workers``
+  threads (default: one per CPU core, at most 32): decoding an image and
+  resizing it run in PIL without Python's global lock, so an ImageNet batch
+  loads about as many times faster as there are cores
+  (``python -m experiments.bench_loading``). The batch is the same, row for
+  row, whatever the number of workers; ``transform`` must then be safe to
+  call from several threads at once (the experiments' are: they keep no
+  state)."""
 
   def __init__(self, data_source, transform: Callable[[dict], Batch],
-               randomly_augmented: bool = False):
+               randomly_augmented: bool = False, workers: int | None = None):
     """``randomly_augmented``: whether ``transform`` draws random
-    augmentations (AutoCache then refuses to cache unless told otherwise)."""
+    augmentations (AutoCache then refuses to cache unless told otherwise).
+    ``workers``: threads that read a batch (1: the calling thread alone)."""
     self.data_source, self.transform = data_source, transform
     self.randomly_augmented = randomly_augmented
+    self.workers = int(workers) if workers else min(32, os.cpu_count() or 1)
+    if self.workers < 1:
+      raise ValueError(f'workers must be >= 1, got {workers}')
+    self._pool = None
+    self._pool_lock = threading.Lock()
 
   def __len__(self) -> int:
     return len(self.data_source)
 
-  def __getitem__(self, ids: np.ndarray) -> Batch:
+  def _example(self, sample_id) -> Batch:
     try:
-      examples = [self.data_source[int(i)] for i in ids]
+      example = self.data_source[int(sample_id)]
     except Exception as e:  # array_record raises RuntimeError, OSError, ValueError, …
       raise DataReadError(f'cannot read the prepared data set {self.data_source} '
                           f'({type(e).__name__}: {str(e)[:160]}): its files are damaged; '
                           f'prepare it again (tfds build)') from e
-    rows = [self.transform(e) for e in examples]
+    return self.transform(example)
+
+  def __getitem__(self, ids: np.ndarray) -> Batch:
+    if self.workers == 1 or len(ids) < 2:
+      rows = [self._example(i) for i in ids]
+    else:
+      with self._pool_lock:  # one pool per source, made at its first batch
+        if self._pool is None:
+          self._pool = concurrent.futures.ThreadPoolExecutor(
+              self.workers, thread_name_prefix='pipejax-data')
+      rows = list(self._pool.map(self._example, ids))  # in order; the first error is raised
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 

@@ -1,6 +1,7 @@
-"""The developer benchmarks `bench_autocache` and `bench_pipeline`: a tiny run
-of each writes the rows it prints, and bad flags are one line, exit 2, before
-anything is built or written; `bench_plans`' figures from its step times."""
+"""The developer benchmarks `bench_autocache`, `bench_loading` and
+`bench_pipeline`: a tiny run of each writes the rows it prints, and bad flags
+are one line, exit 2, before anything is built or written; `bench_plans`'
+figures from its step times."""
 import json
 import os
 import subprocess
@@ -41,6 +42,20 @@ def test_bench_autocache_serves_every_read_from_the_cache(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ['bench_autocache.json']  # its caches removed
 
 
+def test_bench_loading_measures_each_preparation_with_one_and_all_workers(tmp_path):
+  out = _run('bench_loading', f'--workdir={tmp_path}', '--images=6', '--batch=4',
+             '--rounds=1')
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads((tmp_path / 'bench_loading.json').read_text())
+  cores = os.cpu_count()
+  assert result['cores'] == cores
+  assert [(r['preparation'], r['workers']) for r in result['rows']] == [
+      (p, w) for p in ('centre crop', 'ViT processor') for w in (1, cores)]
+  for r in result['rows']:
+    assert r['images_per_second'] > 0 and r['speedup'] > 0
+    assert r['speedup'] == 1.0 or r['workers'] > 1
+
+
 def test_bench_pipeline_measures_each_plan_that_fits(tmp_path):
   out = _run('bench_pipeline', f'--workdir={tmp_path}', '--layers=2', '--hidden=32',
              '--image-size=8', '--patch-size=4', '--batch=8', '--lengths=1,2,3,8',
@@ -62,7 +77,9 @@ def test_bench_pipeline_measures_each_plan_that_fits(tmp_path):
 
 def test_developer_benchmarks_refuse_bad_flags_in_one_line(tmp_path):
   (tmp_path / 'afile').write_text('x')
-  cases = [('bench_autocache', ['--batch=0'], '--batch must be at least 1, got 0'),
+  cases = [('bench_loading', ['--rounds=0'], '--rounds must be at least 1, got 0'),
+           ('bench_loading', [f'--workdir={tmp_path / "afile"}'], 'cannot use --workdir='),
+           ('bench_autocache', ['--batch=0'], '--batch must be at least 1, got 0'),
            ('bench_autocache', [f'--workdir={tmp_path / "afile"}'], 'cannot use --workdir='),
            ('bench_pipeline', ['--lengths=1,x'], '--lengths must be a comma-separated list'),
            ('bench_pipeline', ['--schedules=gpipe,bogus'], "unknown schedule 'bogus'"),

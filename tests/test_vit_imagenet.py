@@ -155,6 +155,46 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
   assert rows[1]['frozen_layers'] == 2
 
 
+def test_an_imagenet_batch_is_read_by_worker_threads_row_for_row():
+  """``TfdsSource`` reads, decodes and prepares a batch's images on worker
+  threads; the batch is the one a single thread gives, in the IDs' order
+  (repeats included), and a damaged record read by a worker is the same one
+  line as read alone."""
+  import threading  # noqa: PLC0415
+  from experiments.bench_loading import JpegSource  # noqa: PLC0415
+  from pipejax.data import DataReadError, TfdsSource  # noqa: PLC0415
+  jpegs = JpegSource(10)
+  transform = datasets._imagenet_transform(16)  # noqa: SLF001
+  ids = np.array([7, 2, 9, 2, 0, 5, 3])
+  alone = TfdsSource(jpegs, transform, workers=1)[ids]
+  names = []
+
+  def watched(example):
+    names.append(threading.current_thread().name)
+    return transform(example)
+
+  threaded = TfdsSource(jpegs, watched, workers=3)
+  together = threaded[ids]
+  assert together.keys() == alone.keys() and together['labels'].tolist() == ids.tolist()
+  for key in alone:
+    np.testing.assert_array_equal(together[key], alone[key])
+  assert len(names) == len(ids) and all(n.startswith('pipejax-data') for n in names)
+
+  class Damaged(JpegSource):
+    def __getitem__(self, i):
+      if i == 9:
+        raise RuntimeError('Corrupted Riegeli/records file')
+      return super().__getitem__(i)
+
+  damaged = Damaged.__new__(Damaged)
+  damaged.encoded = jpegs.encoded
+  for workers in (1, 3):
+    with pytest.raises(DataReadError, match=r'RuntimeError: Corrupted.*its files are damaged'):
+      TfdsSource(damaged, transform, workers=workers)[ids]
+  with pytest.raises(ValueError, match='workers must be >= 1'):
+    TfdsSource(jpegs, transform, workers=-1)
+
+
 def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tmp_path, capsys):
   """With ``model.pretrained`` saved with an HF image processor, ImageNet
   images are what that processor makes (ViT's: the whole image resized, then
