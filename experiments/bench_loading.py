@@ -8,11 +8,13 @@ JPEG-encoded in memory once, and a data source decodes them with PIL on every
 read, as ``tfds.data_source`` decodes its image feature. The experiments'
 :class:`pipejax.data.TfdsSource` then serves batches of ``--batch`` through
 each ImageNet preparation (the centre crop, and a ViT checkpoint's
-``ViTImageProcessor``) at 224x224, with 1 worker thread and with one per
-core. Each variant reads every image once a round, the variants interleaved
-round by round; the best round counts. Prints a table and writes
-``DIR/bench_loading.json`` with a list ``rows`` (images per second, and the
-speed-up over one worker) and the machine's core count.
+``ViTImageProcessor``) at 224x224, with 1 worker thread and with
+``TfdsSource``'s default, one per core the process may use. Each variant
+reads every image once a round, the variants interleaved round by round; the
+best round counts. Prints a table and writes ``DIR/bench_loading.json`` with
+a list ``rows`` (images per second, and the speed-up over one worker), the
+default thread count, and ``same_batches``: whether the threads served the
+batches one thread serves, bit for bit (exit status 1 when not).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from experiments import datasets
 from pipejax import diskcache
-from pipejax.data import TfdsSource
+from pipejax.data import TfdsSource, default_workers
 
 SIZE = 224
 
@@ -84,30 +86,33 @@ def main(argv=None) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 2
   from transformers import ViTImageProcessor  # noqa: PLC0415 - heavy import kept local
-  cores = os.cpu_count() or 1
+  threads = default_workers()  # what TfdsSource uses by default
   source = JpegSource(args.images)
   preparations = {'centre crop': datasets._imagenet_transform(SIZE),  # noqa: SLF001
                   'ViT processor': datasets._imagenet_transform(  # noqa: SLF001
                       SIZE, ViTImageProcessor(size={'height': SIZE, 'width': SIZE}))}
-  variants = [(name, workers) for name in preparations for workers in (1, cores)]
+  variants = [(name, workers) for name in preparations for workers in sorted({1, threads})]
   sources = {(name, workers): TfdsSource(source, preparations[name], workers=workers)
              for name, workers in variants}
   batches = [np.arange(start, min(start + args.batch, args.images))
              for start in range(0, args.images, args.batch)]
-  best = {}
+  best, last = {}, {}
   for _ in range(args.rounds):
     for variant in variants:
       start = time.perf_counter()
       for ids in batches:
         batch = sources[variant][ids]
       seconds = time.perf_counter() - start
-      assert batch['pixel_values'].shape[1:] == (SIZE, SIZE, 3)
       best[variant] = min(best.get(variant, seconds), seconds)
+      last[variant] = batch
+  # The threads must serve what one thread serves, bit for bit.
+  same = all(np.array_equal(last[(name, workers)][key], last[(name, 1)][key])
+             for name, workers in variants for key in last[(name, 1)])
   rows = [{'preparation': name, 'workers': workers,
            'images_per_second': args.images / best[(name, workers)],
            'speedup': best[(name, 1)] / best[(name, workers)]} for name, workers in variants]
   print(f'ImageNet batches of {args.batch} at {SIZE}x{SIZE} ({args.images} JPEGs decoded per '
-        f'round, best of {args.rounds}; {cores} cores)')
+        f'round, best of {args.rounds}; {threads} worker threads by default)')
   print(f'{"preparation":<14} {"workers":>7} {"images/s":>9} {"speed-up":>9}')
   for r in rows:
     print(f'{r["preparation"]:<14} {r["workers"]:>7} {r["images_per_second"]:>9.0f} '
@@ -115,9 +120,12 @@ def main(argv=None) -> int:
   os.makedirs(args.workdir, exist_ok=True)
   path = os.path.join(args.workdir, 'bench_loading.json')
   with open(path, 'w', encoding='utf-8') as f:
-    json.dump({'cores': cores, 'images': args.images, 'batch': args.batch,
-               'rounds': args.rounds, 'rows': rows}, f, indent=1)
+    json.dump({'default_workers': threads, 'images': args.images, 'batch': args.batch,
+               'rounds': args.rounds, 'same_batches': same, 'rows': rows}, f, indent=1)
   print(f'wrote {path}')
+  if not same:
+    print('error: the worker threads served other batches than one thread', file=sys.stderr)
+    return 1
   return 0
 
 

@@ -152,11 +152,12 @@ def image_processor(path: str, image_size: int, log=print):
   to [-1, 1]) or cannot be found (loading the model then says why).
   :class:`ValueError` (one line) where it cannot be loaded or gives another
   size."""
+  from huggingface_hub import constants  # noqa: PLC0415
   from transformers.utils import cached_file  # noqa: PLC0415 - heavy import kept local
 
   def find(name):
-    try:
-      return cached_file(path, name, local_files_only=True,
+    try:  # from the hub too where it may be reached (HF_HUB_OFFLINE=0), as the model is
+      return cached_file(path, name, local_files_only=constants.HF_HUB_OFFLINE,
                          _raise_exceptions_for_missing_entries=False)
     except Exception:  # noqa: BLE001 - not a folder nor a cached model name
       return None

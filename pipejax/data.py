@@ -49,15 +49,26 @@ class DataReadError(RuntimeError):
   """A prepared data set whose records cannot be read (damaged files)."""
 
 
+def default_workers() -> int:
+  """Threads that read a batch by default: the CPU cores this process may
+  run on (its affinity, not the machine's count), at most 32."""
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):  # not on Linux
+    cores = os.cpu_count() or 1
+  return max(1, min(32, cores))
+
+
 class TfdsSource:
   """A ``tfds.data_source`` (array_record, random access, no TensorFlow)
   mapped example by example through ``transform(example) -> dict``.
 
   A batch's examples are read, decoded and transformed by ``workers``
-  threads (default: one per CPU core, at most 32): decoding an image and
-  resizing it run in PIL without Python's global lock, so an ImageNet batch
-  loads about as many times faster as there are cores
-  (``python -m experiments.bench_loading``). The batch is the same, row for
+  threads (default: one per CPU core this process may run on, at most 32):
+  decoding an image and resizing it run in PIL without Python's global lock,
+  so an ImageNet batch loads up to as many times faster as there are cores,
+  less what holds the lock (1.6x with 2 threads on 2 cores:
+  ``python -m experiments.bench_loading``). The batch is the same, row for
   row, whatever the number of workers; ``transform`` must then be safe to
   call from several threads at once (the experiments' are: they keep no
   state)."""
@@ -69,10 +80,10 @@ class TfdsSource:
     ``workers``: threads that read a batch (1: the calling thread alone)."""
     self.data_source, self.transform = data_source, transform
     self.randomly_augmented = randomly_augmented
-    self.workers = int(workers) if workers else min(32, os.cpu_count() or 1)
+    self.workers = default_workers() if workers is None else int(workers)
     if self.workers < 1:
       raise ValueError(f'workers must be >= 1, got {workers}')
-    self._pool = None
+    self._pool, self._pool_pid = None, None
     self._pool_lock = threading.Lock()
 
   def __len__(self) -> int:
@@ -91,10 +102,11 @@ class TfdsSource:
     if self.workers == 1 or len(ids) < 2:
       rows = [self._example(i) for i in ids]
     else:
-      with self._pool_lock:  # one pool per source, made at its first batch
-        if self._pool is None:
+      with self._pool_lock:  # one pool per source and process, made at its first batch
+        if self._pool is None or self._pool_pid != os.getpid():  # a forked child has no threads
           self._pool = concurrent.futures.ThreadPoolExecutor(
               self.workers, thread_name_prefix='pipejax-data')
+          self._pool_pid = os.getpid()
       rows = list(self._pool.map(self._example, ids))  # in order; the first error is raised
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 

@@ -85,11 +85,18 @@ def init_cache_dir() -> str | None:
   return path or None
 
 
-def out_of_memory(error: BaseException) -> bool:
-  """Whether ``error`` is the host's memory (``MemoryError``) or a device's
-  (XLA's ``RESOURCE_EXHAUSTED``) running out: never a damaged file, a lost
-  peer or a bug, so nothing is removed or blamed for it."""
-  return isinstance(error, MemoryError) or str(error).lstrip().startswith('RESOURCE_EXHAUSTED')
+def out_of_memory(error: BaseException | None) -> bool:
+  """Whether ``error``, or an error that caused it (a library may wrap one),
+  is the host's memory (``MemoryError``) or a device's (XLA's
+  ``RESOURCE_EXHAUSTED``) running out: never a damaged file, a lost peer or
+  a bug, so nothing is removed or blamed for it."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, MemoryError) or str(error).lstrip().startswith('RESOURCE_EXHAUSTED'):
+      return True
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def exit_now(code: int) -> NoReturn:

@@ -678,6 +678,17 @@ def test_running_out_of_device_memory_is_one_line_told_to_the_job(watched_job, m
     assert len(err) == 1 and err[0].startswith(expected), err
     assert store.values['pipejax/failed/0'] == err[0][len('error: '):]
   assert lost == []
+  # Memory is found behind a wrapper, and only at the start of an error.
+  from pipejax import runtime
+  try:
+    try:
+      raise MemoryError()
+    except MemoryError as e:
+      raise CheckpointError('restoring step 8 failed') from e
+  except CheckpointError as e:
+    assert runtime.out_of_memory(e)
+  assert not runtime.out_of_memory(jax.errors.JaxRuntimeError(
+      'UNAVAILABLE: peer said: RESOURCE_EXHAUSTED: too many open streams'))
   other = jax.errors.JaxRuntimeError('INTERNAL: something else')
   monkeypatch.setattr(elastic, 'run', lambda *a, **k: (_ for _ in ()).throw(other))
   with pytest.raises(jax.errors.JaxRuntimeError, match='something else'):

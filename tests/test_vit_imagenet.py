@@ -191,8 +191,10 @@ def test_an_imagenet_batch_is_read_by_worker_threads_row_for_row():
   for workers in (1, 3):
     with pytest.raises(DataReadError, match=r'RuntimeError: Corrupted.*its files are damaged'):
       TfdsSource(damaged, transform, workers=workers)[ids]
-  with pytest.raises(ValueError, match='workers must be >= 1'):
-    TfdsSource(jpegs, transform, workers=-1)
+  for workers in (0, -1):
+    with pytest.raises(ValueError, match='workers must be >= 1'):
+      TfdsSource(jpegs, transform, workers=workers)
+  assert TfdsSource(jpegs, transform).workers == min(32, len(os.sched_getaffinity(0)))
 
 
 def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tmp_path, capsys):
