@@ -7,6 +7,7 @@ import dataclasses
 import glob
 import gzip
 import importlib.util
+import json
 import os
 from typing import Callable
 
@@ -139,8 +140,14 @@ def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012',
   tfds = import_tfds(name)
   train = tfds_data_source(tfds, name, 'train', data_dir)
   evaluation = tfds_data_source(tfds, name, 'validation', data_dir)
-  transform = _imagenet_transform(image_size, make_processor() if make_processor else None)
-  return Dataset(name, TfdsSource(train, transform), TfdsSource(evaluation, transform),
+  processor = make_processor() if make_processor else None
+  transform = _imagenet_transform(image_size, processor)
+  # What the config alone does not say: a run resumed, or a disk cache read,
+  # with images prepared otherwise is refused (the centre crop adds nothing).
+  preparation = None if processor is None else {'image_processor': {
+      k: v for k, v in json.loads(processor.to_json_string()).items() if not k.startswith('_')}}
+  return Dataset(name, TfdsSource(train, transform, preparation=preparation),
+                 TfdsSource(evaluation, transform, preparation=preparation),
                  num_classes=1000, image_size=image_size, channels=3)
 
 

@@ -652,7 +652,8 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   if distributed.is_main_process():  # the one writer of the run's files
     # left by a killed write of one of them; the user's files stay
     diskcache.remove_stale_tmp(workdir, of=RUN_FILES)
-  ident = resume.identity(config, model.hf_config.to_dict())
+  ident = resume.identity(config, model.hf_config.to_dict(),
+                          inputs=getattr(data.train, 'preparation', None))
   if (config.resume and not config.checkpoint.enabled
       and os.path.exists(os.path.join(workdir, 'metrics.jsonl'))):
     raise ConfigError(f'{workdir} already holds a run but checkpoint.enabled=False cannot resume '

@@ -74,12 +74,17 @@ class TfdsSource:
   state)."""
 
   def __init__(self, data_source, transform: Callable[[dict], Batch],
-               randomly_augmented: bool = False, workers: int | None = None):
+               randomly_augmented: bool = False, workers: int | None = None,
+               preparation: dict | None = None):
     """``randomly_augmented``: whether ``transform`` draws random
     augmentations (AutoCache then refuses to cache unless told otherwise).
-    ``workers``: threads that read a batch (1: the calling thread alone)."""
+    ``workers``: threads that read a batch (1: the calling thread alone).
+    ``preparation``: JSON-able settings of ``transform`` that the run's config
+    does not give (a checkpoint's image processor); they join the identity of
+    checkpoints and of AutoCache's disk entries."""
     self.data_source, self.transform = data_source, transform
     self.randomly_augmented = randomly_augmented
+    self.preparation = preparation
     self.workers = default_workers() if workers is None else int(workers)
     if self.workers < 1:
       raise ValueError(f'workers must be >= 1, got {workers}')

@@ -576,7 +576,8 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
   # (train.epochs, pipeline.*, cache.*, checkpoint.*): a resume starts the
   # cache empty at the checkpoint's depth (FrozenPrefix.restore), so such a
   # change must not make the run refuse its own directory.
-  settings = resume.identity(config, model.hf_config.to_dict(), bookkeeping=True)
+  settings = resume.identity(config, model.hf_config.to_dict(), bookkeeping=True,
+                             inputs=getattr(source, 'preparation', None))
   directory = c.directory or os.path.join(workdir, 'cache')
   if jax.process_count() > 1:
     # The coordinator's address and this process's rank may change from one

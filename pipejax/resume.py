@@ -5,8 +5,10 @@ cleanly on SIGTERM / SIGINT.
 meaning — the seed, the data, the model (and the HF model config), every
 ``train`` key but ``train.epochs`` and ``train.eval_batch_size``, every ``freeze`` key but
 ``freeze.compile_ahead`` and ``freeze.keep_slot_width`` (they choose which programs run the
-same computation) — and a run refuses a checkpoint whose identity
-differs, naming the keys. Left out on purpose: ``train.epochs`` (a run may be
+same computation), and how the data source prepares its examples where the
+config alone does not say it (``inputs.*``: a pretrained checkpoint's image
+processor) — and a run refuses a checkpoint whose identity differs, naming
+the keys. Left out on purpose: ``train.epochs`` (a run may be
 extended; the learning-rate schedule then follows the new total from the
 resumed step on), ``train.eval_batch_size`` (evaluation only reads the
 state), ``pipeline.*`` (the plan is recomputed for the devices at
@@ -64,12 +66,15 @@ def _flatten(tree: Any, prefix: str = '') -> dict[str, Any]:
   return out
 
 
-def identity(config, hf_config: dict, bookkeeping: bool = False) -> dict[str, Any]:
+def identity(config, hf_config: dict, bookkeeping: bool = False,
+             inputs: dict | None = None) -> dict[str, Any]:
   """The flattened config keys (and HF model config, under ``hf.``) that
   give a checkpoint's state its meaning (see module docstring); with
   ``bookkeeping`` the HF config's bookkeeping keys too (AutoCache's disk
   identity has always held them: left out, every cache written before
-  would be refused)."""
+  would be refused). ``inputs``: how the data source prepares its examples
+  where the config does not say it alone (a pretrained checkpoint's image
+  processor, under ``inputs.``; a source's ``preparation``)."""
   c = config.to_dict()
   picked = {}
   for section in _SECTIONS:
@@ -78,6 +83,8 @@ def identity(config, hf_config: dict, bookkeeping: bool = False) -> dict[str, An
       value = {k: v for k, v in value.items() if k not in _EXCLUDED.get(section, ())}
     picked[section] = value
   picked['hf'] = hf_config
+  if inputs:
+    picked['inputs'] = inputs
   flat = json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str))
   return flat if bookkeeping else _meaningful(flat)
 

@@ -557,3 +557,28 @@ def test_the_cache_identity_is_the_checkpoint_s(monkeypatch):
                      'checkpoint.every_steps': 3, 'train.eval_batch_size': 64}) == base
   for changed in ({'freeze.alpha': 0.25}, {'train.learning_rate': 0.5}, {'seed': 3}):
     assert identity(**changed) != base, changed
+
+
+def test_the_disk_caches_identity_holds_how_the_source_prepares_its_examples(monkeypatch):
+  """Cached activations depend on how the inputs were prepared: a source's
+  ``preparation`` (a checkpoint's image processor) joins the identity of
+  AutoCache's disk entries, so another preparation never reads them."""
+  from pipejax import frozen_prefix  # noqa: PLC0415
+  config = _config()
+  with config.unlocked():
+    config.cache.update(memory_mb=1.0)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, 8, seed=1)
+  monkeypatch.setattr(frozen_prefix, 'ActivationCache', lambda **kw: kw['identity'])
+
+  def identity(preparation):
+    source = ArraySource(data)
+    source.preparation = preparation
+    return make_cache(config, created.model, source, created.params, '/nonexistent',
+                      lambda _: None)
+
+  plain = identity(None)
+  assert identity(None) == plain
+  assert identity({'image_processor': {'image_mean': [0.5] * 3}}) != plain
+  assert identity({'image_processor': {'image_mean': [0.4] * 3}}) != identity(
+      {'image_processor': {'image_mean': [0.5] * 3}})

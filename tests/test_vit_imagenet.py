@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import datasets, elastic, vit_imagenet
-from pipejax import autopipe
+from pipejax import autopipe, resume
 from tests import fixtures
 
 def _config(tmp_path, **overrides):
@@ -223,9 +223,20 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     got = data.train[np.array([1])]['pixel_values'][0]
     whole = np.asarray(Image.fromarray(raw).resize((16, 16), Image.BILINEAR), np.float64) / 255
     np.testing.assert_allclose(got, (whole - mean) / std, atol=1e-4)
+    # The processor joins the run's identity (checkpoints, AutoCache's disk): a run
+    # whose images were prepared otherwise is refused, naming what differs.
+    prepared = resume.identity(config, {}, inputs=data.train.preparation)
+    assert prepared['inputs.image_processor.image_mean'] == mean.tolist()
+    cropped = resume.identity(config, {}, inputs=None)
+    assert not any(key.startswith('inputs') for key in cropped)
+    meta = {'identity': cropped, 'fingerprint': resume.fingerprint(cropped)}
+    with pytest.raises(resume.CheckpointMismatch, match=r'inputs\.image_processor\.'):
+      resume.check_identity(meta, prepared, 'ckpt')
     with config.unlocked():
       config.model.pretrained = str(without)
-    got = elastic.resolve_data(config).train[np.array([1])]['pixel_values'][0]
+    cropped_data = elastic.resolve_data(config)
+    assert cropped_data.train.preparation is None
+    got = cropped_data.train[np.array([1])]['pixel_values'][0]
     assert "has no image processor" in capsys.readouterr().out
     side = min(raw.shape[:2])
     top, left = (raw.shape[0] - side) // 2, (raw.shape[1] - side) // 2
