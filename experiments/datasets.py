@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipejax import runtime
+from pipejax import distributed, runtime
 from pipejax.data import ArraySource, TfdsSource
 
 
@@ -181,9 +181,8 @@ def image_processor(path: str, image_size: int, log=print):
     shape = processor(images=Image.new('RGB', (300, 200)),
                       return_tensors='np')['pixel_values'].shape
   except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad config
-    text = str(e).strip()
     raise ValueError(f'cannot use the image processor of {path!r}: '
-                     f'{text.splitlines()[0][:160] if text else type(e).__name__}') from e
+                     f'{distributed.first_line(str(e), 160) or type(e).__name__}') from e
   if tuple(shape[1:]) != (3, image_size, image_size):
     raise ValueError(f'the image processor of {path!r} makes images of {shape[2]}x{shape[3]}, '
                      f'not the {image_size}x{image_size} of data.image_size')

@@ -847,13 +847,8 @@ def _checkpoint_dir(workdir: str | None) -> str | None:
 def _runtime_cause(error: BaseException) -> jax.errors.JaxRuntimeError | None:
   """The failed computation behind ``error``, if any (orbax reports a broken
   collective as a checkpoint error, for one)."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    if isinstance(error, jax.errors.JaxRuntimeError):
-      return error
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  return None
+  return next((e for e in runtime.causes(error) if isinstance(e, jax.errors.JaxRuntimeError)),
+              None)
 
 
 _OUT_OF_MEMORY_ADVICE = (

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from experiments.datasets import DatasetMissing, import_tfds, tfds_data_source
+from pipejax import distributed
 from pipejax.data import ArraySource
 
 
@@ -111,7 +112,7 @@ def load_tokenizer(path: str):
   try:
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
   except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions too
-    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    detail = distributed.first_line(str(e)) or type(e).__name__
     raise TextConfigError(f'cannot load a tokenizer from {path!r}: {detail} (a model '
                           f'without one needs --config.model.tokenizer=<dir>)') from e
   if not tokenizer.is_fast:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pipejax import diskcache, runtime
+from pipejax import diskcache, distributed, runtime
 
 
 #: The meta key of a packed state's layout: ``[dtype name, shape, offset, key
@@ -272,8 +272,7 @@ class Checkpoints:
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
     if runtime.out_of_memory(error):
       raise error  # the machine's (or the devices') memory, not the checkpoint
-    text = str(error).strip()
-    detail = text.splitlines()[0][:200] if text else type(error).__name__
+    detail = distributed.first_line(str(error), 200) or type(error).__name__
     aside = diskcache.aside_name(self.path(step))  # an earlier one set aside is kept too
     log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside} (rename it '
         f'back to try it again), trying the one before')

@@ -7,7 +7,7 @@ import contextlib
 import os
 import sys
 import warnings
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 
 def setup(cpu_devices: int = 8) -> None:
@@ -85,18 +85,23 @@ def init_cache_dir() -> str | None:
   return path or None
 
 
+def causes(error: BaseException | None) -> Iterator[BaseException]:
+  """``error``, then the error that caused it (``__cause__``, else
+  ``__context__``), and so on: what a library that wraps errors hides."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    yield error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+
+
 def out_of_memory(error: BaseException | None) -> bool:
   """Whether ``error``, or an error that caused it (a library may wrap one),
   is the host's memory (``MemoryError``) or a device's (XLA's
   ``RESOURCE_EXHAUSTED``) running out: never a damaged file, a lost peer or
   a bug, so nothing is removed or blamed for it."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    if isinstance(error, MemoryError) or str(error).lstrip().startswith('RESOURCE_EXHAUSTED'):
-      return True
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  return False
+  return any(isinstance(e, MemoryError) or str(e).lstrip().startswith('RESOURCE_EXHAUSTED')
+             for e in causes(error))
 
 
 def exit_now(code: int) -> NoReturn:
