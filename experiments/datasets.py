@@ -132,11 +132,13 @@ def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
 
 
 def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012',
-             make_processor: Callable[[], object] | None = None) -> Dataset:
+             make_processor: Callable[[], object] | None = None,
+             workers: int | None = None) -> Dataset:
   """ImageNet via ``tfds.data_source``; raises :class:`DatasetMissing`.
   ``make_processor``: called once the data are found, gives a pretrained
   checkpoint's HF image processor to prepare the images, or None (see
-  :func:`image_processor`)."""
+  :func:`image_processor`). ``workers``: threads that read a batch (None:
+  :func:`pipejax.data.default_workers`)."""
   tfds = import_tfds(name)
   train = tfds_data_source(tfds, name, 'train', data_dir)
   evaluation = tfds_data_source(tfds, name, 'validation', data_dir)
@@ -146,8 +148,8 @@ def imagenet(data_dir: str | None, image_size: int, name: str = 'imagenet2012',
   # with images prepared otherwise is refused (the centre crop adds nothing).
   preparation = None if processor is None else {'image_processor': {
       k: v for k, v in json.loads(processor.to_json_string()).items() if not k.startswith('_')}}
-  return Dataset(name, TfdsSource(train, transform, preparation=preparation),
-                 TfdsSource(evaluation, transform, preparation=preparation),
+  return Dataset(name, TfdsSource(train, transform, workers=workers, preparation=preparation),
+                 TfdsSource(evaluation, transform, workers=workers, preparation=preparation),
                  num_classes=1000, image_size=image_size, channels=3)
 
 

@@ -79,6 +79,9 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f'checkpoint.every_steps must be >= 0, got {c.checkpoint.every_steps}')
   if c.checkpoint.keep < 1:
     raise ConfigError(f'checkpoint.keep must be >= 1, got {c.checkpoint.keep}')
+  if c.data.get('workers', 0) < 0:
+    raise ConfigError(f'data.workers must be >= 0 (0: one thread per CPU core), '
+                      f'got {c.data.workers}')
   split_gain = c.pipeline.get('split_mlp_min_gain', autopipe.SPLIT_MLP_MIN_GAIN)
   if not 0 <= split_gain <= 1:  # also refuses NaN
     raise ConfigError(f'pipeline.split_mlp_min_gain must be in [0, 1] (1: never split an '
@@ -203,7 +206,8 @@ def resolve_data(config, task: str = 'vit'):
     if reason is None:
       try:
         return datasets.imagenet(data_dir, config.data.image_size,
-                                 make_processor=lambda: _image_processor(config))
+                                 make_processor=lambda: _image_processor(config),
+                                 workers=config.data.workers or None)
       except datasets.DatasetMissing as e:
         root = data_dir or os.environ.get('TFDS_DATA_DIR', '')
         if name != 'auto' or '://' not in root:

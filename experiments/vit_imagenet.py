@@ -33,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.name = 'auto'  # 'auto': imagenet2012 if prepared, else digits
   c.data.data_dir = ''
   c.data.image_size = 224  # ImageNet only; digits are 8x8
+  c.data.workers = 0  # ImageNet: threads that read a batch (0: one per CPU core, at most 32)
   c.model = ml_collections.ConfigDict()
   c.model.kind = 'vit'
   c.model.preset = 'auto'  # 'auto': vit-b16 on ImageNet, 'custom' (below) on digits

@@ -2,7 +2,8 @@
 cleanly on SIGTERM / SIGINT.
 
 *Identity.* A checkpoint records the config keys that give its state a
-meaning — the seed, the data, the model (and the HF model config), every
+meaning — the seed, the data (but ``data.workers``: the threads that read a
+batch give the same batch), the model (and the HF model config), every
 ``train`` key but ``train.epochs`` and ``train.eval_batch_size``, every ``freeze`` key but
 ``freeze.compile_ahead`` and ``freeze.keep_slot_width`` (they choose which programs run the
 same computation), and how the data source prepares its examples where the
@@ -37,7 +38,8 @@ EXIT_ABORTED = 130  # 128 + SIGINT, the shell's convention for an interrupt
 
 #: ``freeze`` keys that choose which programs run the same computation.
 PROGRAM_CHOICES = ('compile_ahead', 'keep_slot_width')
-_EXCLUDED = {'train': ('epochs', 'eval_batch_size'), 'freeze': PROGRAM_CHOICES}
+_EXCLUDED = {'data': ('workers',), 'train': ('epochs', 'eval_batch_size'),
+             'freeze': PROGRAM_CHOICES}
 _SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
 # HF config keys that say which library wrote the config or where it came
 # from, not what the model computes: an upgraded transformers (its

@@ -208,6 +208,16 @@ def check_batch_for_freezing(config, num_devices: int) -> None:
                               c.pipeline.autodp)
 
 
+def traced_config(config) -> dict:
+  """The config keys that the run's programs may be traced from (a key of
+  the program store): all but ``checkpoint``, ``resume`` and ``data.workers``
+  (saving, resuming and the threads that read the data never enter a traced
+  program)."""
+  traced = {k: v for k, v in config.to_dict().items() if k not in ('checkpoint', 'resume')}
+  if isinstance(traced.get('data'), dict):
+    traced['data'] = {k: v for k, v in traced['data'].items() if k != 'workers'}
+  return traced
+
 class Trainer:
   """Elastic PipeTransformer training of one model.
 
@@ -267,11 +277,9 @@ class Trainer:
     self.steps_per_epoch = dataclasses.replace(
         train_loader, batch_size=self.starting_batch_size).steps_per_epoch()
     # What the programs of this run are traced from, besides the code and
-    # their arguments (the learning-rate schedule needs the steps per epoch);
-    # saving and resuming never enter a traced program.
-    traced_config = {k: v for k, v in config.to_dict().items() if k not in ('checkpoint', 'resume')}
+    # their arguments (the learning-rate schedule needs the steps per epoch).
     self.programs = ProgramStore(program_store, {
-        'config': traced_config, 'model': model.name, 'hf': model.hf_config.to_dict(),
+        'config': traced_config(config), 'model': model.name, 'hf': model.hf_config.to_dict(),
         'steps_per_epoch': self.steps_per_epoch, 'fill': self.pipe.fill,
         'devices': [int(d.id) for d in self.devices]}, log)
     self.prefix = FrozenPrefix(model, self.devices, train_loader.source,

@@ -554,7 +554,8 @@ def test_the_cache_identity_is_the_checkpoint_s(monkeypatch):
   base = identity()
   assert identity(**{'freeze.compile_ahead': True, 'freeze.keep_slot_width': True}) == base
   assert identity(**{'train.epochs': 7, 'pipeline.initial_length': 2, 'cache.memory_mb': 1.0,
-                     'checkpoint.every_steps': 3, 'train.eval_batch_size': 64}) == base
+                     'checkpoint.every_steps': 3, 'train.eval_batch_size': 64,
+                     'data.workers': 3}) == base
   for changed in ({'freeze.alpha': 0.25}, {'train.learning_rate': 0.5}, {'seed': 3}):
     assert identity(**changed) != base, changed
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pipejax import programs
 from pipejax.programs import EXECUTABLE_SUFFIX, POINTER_SUFFIX, PROGRAM_SUFFIX, ProgramStore
+from tests import fixtures
 from tests.test_trainer import _Bar, _config, _trainer
 
 
@@ -410,6 +411,26 @@ def test_the_key_follows_identity_name_key_and_arguments(tmp_path):
   assert store.path('step', ('k',), _spec((state, {'x': batch}))) != base
   weak = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=batch.sharding, weak_type=True)
   assert store.path('step', ('k',), (args[0], weak)) != base
+
+
+def test_a_runs_programs_are_keyed_by_its_config_less_what_never_enters_them(tmp_path):
+  """The trainer's store key holds the config but ``checkpoint``,
+  ``resume`` and ``data.workers``: changing those reuses the stored
+  programs; changing a traced key (the learning rate) does not."""
+  from experiments import vit_imagenet  # noqa: PLC0415
+  from pipejax.trainer import traced_config  # noqa: PLC0415
+  args = _spec(_args())
+
+  def key(**overrides):
+    config = vit_imagenet.get_config()
+    with config.unlocked():
+      fixtures.override(config, overrides)
+    return ProgramStore(str(tmp_path), {'config': traced_config(config)}).path('step', ('k',), args)
+
+  base = key()
+  assert key(**{'data.workers': 3, 'checkpoint.keep': 5, 'resume': False}) == base
+  assert key(**{'train.learning_rate': 0.5}) != base
+  assert key(**{'data.image_size': 32}) != base
 
 
 def test_the_key_follows_the_code_and_xla_flags(tmp_path, monkeypatch):

@@ -573,6 +573,7 @@ def test_identity_names_the_keys_that_differ():
     config.cache.enabled = False
     config.freeze.compile_ahead = False  # which programs run, not what they compute
     config.freeze.keep_slot_width = True
+    config.data.workers = 3  # the threads that read a batch: the same batches
   resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
   with config.unlocked():
     config.train.learning_rate = 0.5

@@ -10,6 +10,7 @@ import pytest
 
 from experiments import datasets, elastic, vit_imagenet
 from pipejax import autopipe, resume
+from pipejax.data import default_workers
 from tests import fixtures
 
 def _config(tmp_path, **overrides):
@@ -149,6 +150,13 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
                                 'pipeline.micro_batches': 4})
   workdir = str(tmp_path / 'imagenet')
   with tfds.testing.mock_data(num_examples=40, policy=tfds.testing.MockPolicy.USE_CODE):
+    # data.workers: the threads that read a batch (0: one per core the process may use)
+    data = elastic.resolve_data(config)
+    assert (data.train.workers, data.eval.workers) == (default_workers(),) * 2
+    with config.unlocked():
+      config.data.workers = 3
+    data = elastic.resolve_data(config)
+    assert (data.train.workers, data.eval.workers) == (3, 3)
     summary = elastic.run(config, workdir, task='vit')
   assert summary['data'] == 'imagenet2012'
   rows, _ = fixtures.check_run_outputs(workdir, 2)
@@ -544,6 +552,7 @@ def test_importing_an_entry_point_keeps_the_callers_compilation_cache():
     ({'pipeline.initial_length': 3}, 'pipeline.initial_length=3 does not divide'),
     ({'checkpoint.every_steps': -1}, 'checkpoint.every_steps must be >= 0, got -1'),
     ({'checkpoint.keep': 0}, 'checkpoint.keep must be >= 1, got 0'),
+    ({'data.workers': -1}, 'data.workers must be >= 0 (0: one thread per CPU core), got -1'),
     ({'pipeline.split_mlp_min_gain': 1.5}, 'pipeline.split_mlp_min_gain must be in [0, 1]'),
     ({'pipeline.micro_batches': -1}, 'pipeline.micro_batches must be >= 0'),
     ({'train.warmup_epochs': 10.0}, 'train.warmup_epochs=10.0 must be >= 0 and below'),
