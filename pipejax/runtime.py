@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import os
 import sys
 import warnings
@@ -42,6 +43,52 @@ def setup(cpu_devices: int = 8) -> None:
     # per transition (step, move, prefix, advance, portable state) that each
     # compile in 0.2-0.8 s on a CPU, and reading one back takes ~0.1 s.
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+    _bound_compilation_cache(jax, cache)
+
+
+#: The default bound of JAX's persistent cache (``PIPEJAX_COMPILATION_CACHE_MB``).
+COMPILATION_CACHE_MB = 2048.0
+
+
+def _bound_compilation_cache(jax, directory: str) -> None:
+  """Keeps JAX's persistent cache ``directory`` within
+  ``$PIPEJAX_COMPILATION_CACHE_MB`` megabytes (default
+  :data:`COMPILATION_CACHE_MB`): JAX then removes the least recently used
+  programs when it writes one (``jax_compilation_cache_max_size``), as the
+  program store trims itself. A bound set with JAX's own
+  ``JAX_COMPILATION_CACHE_MAX_SIZE`` wins; a remote directory stays
+  unbounded. JAX's eviction reads each program's access time from a
+  ``<key>-atime`` file beside its ``<key>-cache``, which an unbounded cache
+  (pipejax before the bound, or another tool) did not write: those programs
+  get one, their file's modification time, or every later write would fail
+  with a warning. A bad value is a one-line error (exit 2)."""
+  if 'JAX_COMPILATION_CACHE_MAX_SIZE' in os.environ or '://' in directory:
+    return
+  text = os.environ.get('PIPEJAX_COMPILATION_CACHE_MB', '')
+  try:
+    megabytes = float(text) if text.strip() else COMPILATION_CACHE_MB
+  except ValueError:
+    megabytes = float('nan')
+  if not 0 < megabytes < float('inf'):  # also refuses NaN
+    print(f'error: PIPEJAX_COMPILATION_CACHE_MB={text!r} must be a number of megabytes > 0 '
+          f'(to turn the cache off: PIPEJAX_COMPILATION_CACHE=)', file=sys.stderr, flush=True)
+    raise SystemExit(2)
+  if importlib.util.find_spec('filelock') is None:  # JAX's eviction locks the folder with it
+    return
+  directory = os.path.expanduser(directory)
+  try:
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(directory):
+      if not name.endswith('-cache'):
+        continue
+      atime = os.path.join(directory, name[:-len('-cache')] + '-atime')
+      if not os.path.exists(atime):
+        stamp = os.stat(os.path.join(directory, name)).st_mtime_ns
+        with open(atime, 'wb') as f:
+          f.write(stamp.to_bytes(8, 'little'))
+  except OSError:
+    return  # an unwritable folder: JAX says so itself when it writes there
+  jax.config.update('jax_compilation_cache_max_size', int(megabytes * 2 ** 20))
 
 
 def _quiet_orbax_tmp_metadata(record) -> bool:

@@ -541,6 +541,56 @@ def test_importing_an_entry_point_keeps_the_callers_compilation_cache():
           jax.config.jax_persistent_cache_min_compile_time_secs) == before
 
 
+_BOUNDED_CACHE = """
+import os, sys, warnings
+warnings.simplefilter('error')  # JAX only warns when it cannot write an entry
+from pipejax import runtime
+runtime.setup(1)
+import jax, jax.numpy as jnp
+print(jax.config.jax_compilation_cache_max_size)
+jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(4)).block_until_ready()
+print(sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_the_compilation_cache_is_bounded_and_keeps_earlier_entries_usable(tmp_path):
+  """``runtime.setup`` bounds JAX's persistent cache by
+  ``PIPEJAX_COMPILATION_CACHE_MB``: a program JAX writes then removes the
+  least recently used ones beyond it. An entry of the cache written without
+  the bound (no access-time file) gets one, so that write succeeds; a bad
+  bound is one line, exit 2; JAX's own setting wins."""
+  cache = tmp_path / 'jax'
+  cache.mkdir()
+  (cache / 'old-cache').write_bytes(b'x' * 2 ** 19)  # 0.5 MB, written by an unbounded cache
+  os.utime(cache / 'old-cache', (1e9, 1e9))  # long ago
+  env = {**os.environ, 'PYTHONPATH': os.getcwd(), 'PIPEJAX_COMPILATION_CACHE': str(cache),
+         'PIPEJAX_COMPILATION_CACHE_MB': '0.5', 'XLA_FLAGS': ''}
+
+  def run(**more):
+    return subprocess.run([sys.executable, '-c', _BOUNDED_CACHE, str(cache)], env={**env, **more},
+                          capture_output=True, text=True, timeout=300, check=False)
+
+  done = run()
+  assert done.returncode == 0, done.stderr[-2000:]
+  limit, names = done.stdout.strip().splitlines()
+  assert int(limit) == 2 ** 19
+  names = eval(names)  # noqa: S307 - the list the child printed
+  # The new program is in, with its access time; the old one was the least recent: out.
+  assert 'old-cache' not in names and 'old-atime' not in names, names
+  written = [n for n in names if n.endswith('-cache')]
+  assert any(n.startswith('jit__lambda-') for n in written), names
+  assert all(n[:-len('cache')] + 'atime' in names for n in written), names
+  assert run(PIPEJAX_COMPILATION_CACHE_MB='1024').stdout.splitlines()[0] == str(2 ** 30)
+  assert run(PIPEJAX_COMPILATION_CACHE_MB='').stdout.splitlines()[0] == str(2 ** 31)
+  assert run(JAX_COMPILATION_CACHE_MAX_SIZE='-1').stdout.splitlines()[0] == '-1'
+  for bad in ('0', 'lots', 'nan'):
+    refused = run(PIPEJAX_COMPILATION_CACHE_MB=bad)
+    assert refused.returncode == 2 and refused.stdout == ''
+    assert refused.stderr.strip() == (
+        f"error: PIPEJAX_COMPILATION_CACHE_MB='{bad}' must be a number of megabytes > 0 "
+        f"(to turn the cache off: PIPEJAX_COMPILATION_CACHE=)")
+
+
 @pytest.mark.parametrize('overrides, message', [
     ({'train.epochs': 0}, 'train.epochs must be >= 1, got 0'),
     ({'train.batch_size': 0}, 'train.batch_size must be >= 1, got 0'),
