@@ -123,8 +123,8 @@ def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
     with runtime.absl_errors_only():  # TFDS warns about each folder it probes
       return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # tfds raises several types for "not prepared"
-    text = str(e).strip()
-    detail = f': {text.splitlines()[0][:160]}' if text else ''
+    text = distributed.first_line(str(e), 160)
+    detail = f': {text}' if text else ''
     raise DatasetMissing(
         f'{name} is not prepared for TFDS in {data_dir or "the default data dir"}, or its '
         f'files cannot be read ({type(e).__name__}{detail}); prepare it with: tfds build {name} '

@@ -268,7 +268,8 @@ def _tokenize_squad(tokenizer, examples, max_seq_length: int, doc_stride: int):
                             f'data.max_seq_length' + (' or lower data.doc_stride' if room > 1
                                                       else '')) from e
     raise TextConfigError(f'cannot split SQuAD contexts with max_seq_length={max_seq_length}, '
-                          f'doc_stride={doc_stride}: {str(e).splitlines()[0]}') from e
+                          f'doc_stride={doc_stride}: '
+                          f'{distributed.first_line(str(e)) or type(e).__name__}') from e
   return enc, contexts
 
 

@@ -1082,9 +1082,9 @@ class Trainer:
       try:
         move, prefixes = ahead.future.result()  # waits only for what still compiles
       except Exception as e:  # noqa: BLE001 - failed or cancelled there: once more, here
-        text = str(e).strip()
+        text = distributed.first_line(str(e), 200)
         self.log(f'  preparing the next plan ahead failed ({type(e).__name__}'
-                 f'{": " + text.splitlines()[0][:200] if text else ""}); preparing it now')
+                 f'{": " + text if text else ""}); preparing it now')
         ahead_used = False
     if not ahead_used:
       move, prefixes = self._prepare(old.partition, new_partition, plans, self._state_spec(),
