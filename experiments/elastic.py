@@ -16,6 +16,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 from typing import Callable, Sequence
 
@@ -24,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 import models
-from experiments import datasets, text_data, text_eval
+from experiments import config_keys, datasets, text_data, text_eval
 from pipejax import (autopipe, checkpoints, diskcache, distributed, freeze, frozen_prefix,
                      pipeline, reporting, resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
@@ -131,6 +132,8 @@ def check_config(config, num_devices_available: int) -> None:
   if c.cache.on_mismatch not in ('refuse', 'clear'):
     raise ConfigError(f"cache.on_mismatch must be 'refuse' or 'clear', got "
                       f'{c.cache.on_mismatch!r}')
+  if c.model.preset == 'custom' and not c.model.pretrained:
+    _check_custom_model(c.model)  # the data are not needed for these sizes
   # The layer count bound is checked once the model is built (a preset or a
   # pretrained model need not have model.num_layers blocks).
   freeze.check_config(c.freeze.policy, c.freeze.alpha,
@@ -953,8 +956,12 @@ def usage(config, config_file: str, require_workdir: bool = False,
             f'{os.path.relpath(config_file)})',
             *(f'  {flag:<15} {what}' for flag, what in extra_flags),
             '', 'config keys (--config.KEY=VALUE) and their values on this command line:']
-  lines += [f'  --{name}={value!r}' if isinstance(value, str) else f'  --{name}={value}'
-            for name, value in _flat_config(config)]
+  for name, value in _flat_config(config):
+    lines.append(f'  --{name}={value!r}' if isinstance(value, str) else f'  --{name}={value}')
+    meaning = config_keys.MEANINGS.get(name[len('config.'):])
+    if meaning:
+      lines += textwrap.wrap(meaning, 88, initial_indent=' ' * 6, subsequent_indent=' ' * 6)
+  lines += ['', 'every key, its defaults and meaning: docs/config.md']
   return '\n'.join(lines)
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import datasets, elastic, vit_imagenet
+from experiments import config_keys, datasets, elastic, vit_imagenet
 from pipejax import autopipe, resume
 from pipejax.data import default_workers
 from tests import fixtures
@@ -389,6 +389,30 @@ def test_help_lists_every_config_key_with_this_command_line_s_values():
     for k, v in d.items():
       yield from keys(v, f'{prefix}{k}.') if isinstance(v, dict) else [prefix + k]
   assert listed == set(keys(flat))
+  # Each key's meaning follows it, indented.
+  out_lines = out.stdout.splitlines()
+  at = out_lines.index('  --config.train.epochs=3')
+  end = next(i for i in range(at + 1, len(out_lines)) if not out_lines[i].startswith('      '))
+  assert out_lines[end].startswith('  --config.') and end > at + 1
+  assert ' '.join(line.strip() for line in out_lines[at + 1:end]) == \
+      config_keys.MEANINGS['train.epochs']
+  assert out_lines[-1] == 'every key, its defaults and meaning: docs/config.md'
+
+
+def test_every_config_key_has_its_meaning_and_docs_config_md_is_current():
+  """``--help`` and ``docs/config.md`` take each key's meaning from
+  ``experiments.config_keys``: every key of every entry point has one, none
+  is left over, and the page shows the defaults of the code as it is."""
+  defaults = config_keys.flat_defaults()
+  assert set(defaults) == set(config_keys.MEANINGS)
+  assert defaults['data.workers'] == {'vit_imagenet': '0'}
+  assert defaults['train.epochs'] == {'vit_imagenet': '10', 'bert_glue': '3', 'bert_squad': '2'}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, 'docs', 'config.md'), encoding='utf-8') as f:
+    page = f.read()
+  assert page == config_keys.markdown(), (
+      'docs/config.md is stale: python -m experiments.config_keys > docs/config.md')
+  assert "| `train.epochs` | `10` | `3` | `2` | epochs to train" in page
 
 
 def test_a_pretrained_vit_from_a_local_directory_trains(tmp_path):
@@ -603,6 +627,8 @@ def test_the_compilation_cache_is_bounded_and_keeps_earlier_entries_usable(tmp_p
     ({'checkpoint.every_steps': -1}, 'checkpoint.every_steps must be >= 0, got -1'),
     ({'checkpoint.keep': 0}, 'checkpoint.keep must be >= 1, got 0'),
     ({'data.workers': -1}, 'data.workers must be >= 0 (0: one thread per CPU core), got -1'),
+    ({'model.preset': 'custom', 'model.num_heads': 3},
+     'model.hidden_size=64 must be a multiple of model.num_heads=3'),
     ({'pipeline.split_mlp_min_gain': 1.5}, 'pipeline.split_mlp_min_gain must be in [0, 1]'),
     ({'pipeline.micro_batches': -1}, 'pipeline.micro_batches must be >= 0'),
     ({'train.warmup_epochs': 10.0}, 'train.warmup_epochs=10.0 must be >= 0 and below'),
