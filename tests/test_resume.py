@@ -276,6 +276,58 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   assert open(log.path).read() == before
 
 
+def test_a_checkpoint_whose_bytes_changed_on_disk_is_set_aside_not_trained_from(tmp_path):
+  """Orbax reads a packed state's bytes changed after the write (a failing
+  disk) as values; the crc32 saved with them finds it: the checkpoint is set
+  aside as unreadable and the one before is restored. One written before the
+  checksums restores unchecked."""
+  # Random bits: incompressible, so stored as they are (zstd keeps raw blocks raw).
+  values = np.random.default_rng(0).integers(0, 2 ** 32, (64, 64), dtype=np.uint32)
+
+  def tree(step):
+    return {'params': {'w': jnp.asarray(values)}, 'step': jnp.int32(step)}
+
+  def abstract(_meta):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree(0))
+
+  ckpt = checkpoints.Checkpoints(str(tmp_path))
+  ckpt.save(1, tree(1), {'n': 1}, wait=True)
+  state = tree(2)
+  ckpt.save(2, state, {'n': 2}, wait=True)
+  marker = values[17, 5]
+  ckpt.close()
+  meta = ocp.CheckpointManager(str(tmp_path / 'checkpoints')).restore(
+      2, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  assert meta[checkpoints.CHECKSUMS] == checkpoints.checksums(
+      checkpoints.pack(jax.device_get(state))[0])
+  pattern, flipped = marker.tobytes(), (marker ^ np.uint32(1)).tobytes()  # one bit
+  changed = 0
+  for root, _, files in os.walk(os.path.join(ckpt.path(2), 'state')):
+    for name in files:
+      path = os.path.join(root, name)
+      data = open(path, 'rb').read()
+      if pattern in data:
+        with open(path, 'wb') as f:  # one value changed, the file as long as before
+          f.write(data.replace(pattern, flipped, 1))
+        changed += 1
+  assert changed == 1  # stored uncompressed: a read gives the changed value
+  unchecked = checkpoints.Checkpoints(str(tmp_path))
+  unchecked._saved_meta = lambda step: {  # noqa: SLF001 - as written before the checksums
+      k: v for k, v in checkpoints.Checkpoints._saved_meta(unchecked, step).items()  # noqa: SLF001
+      if k != checkpoints.CHECKSUMS}
+  state_read, _, _ = unchecked.restore(abstract)
+  read = np.asarray(state_read['params']['w'])
+  assert read[17, 5] == marker ^ 1 and (read != values).sum() == 1  # what orbax alone gives
+  messages = []
+  restored, meta, path = checkpoints.Checkpoints(str(tmp_path)).restore(
+      abstract, messages.append)
+  assert path == ckpt.path(1) and meta == {'n': 1} and int(restored['step']) == 1
+  assert messages == [f'checkpoint {ckpt.path(2)} is unreadable (its uint32 arrays differ from '
+                      f'what was written (checksum); the files changed on disk); moved to '
+                      f'{ckpt.path(2)}.corrupt (rename it back to try it again), trying the one '
+                      f'before']
+
+
 def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_removed(tmp_path):
   """A step folder (an integer name) that holds something other than a
   pipejax checkpoint is refused in one line, resuming or starting over,
