@@ -293,8 +293,10 @@ class Checkpoints:
         continue
       return state, meta, self.path(step)
     if steps:
-      raise CheckpointError(f'no readable checkpoint in {self.directory} (tried steps {steps}); '
-                            f'start over with --config.resume=False')
+      raise CheckpointError(f'no readable checkpoint in {self.directory} (tried steps {steps}, '
+                            f'set aside as <step>.corrupt: rename one back to try it again); '
+                            f'use another --workdir, or --config.resume=False to start over '
+                            f'here (removes this run\'s outputs)')
     return None
 
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:

@@ -32,6 +32,8 @@ def setup(cpu_devices: int = 8) -> None:
   from absl import logging as absl_logging  # noqa: PLC0415
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
   absl_logging.get_absl_logger().addFilter(_quiet_orbax_tmp_metadata)
+  if not getattr(sys.unraisablehook, 'pipejax', False):
+    sys.unraisablehook = _quiet_closed_loop_hook(sys.unraisablehook)
   import jax  # noqa: PLC0415 - must follow the environment set-up above
   cache = os.environ.get('PIPEJAX_COMPILATION_CACHE',
                          os.path.join(os.path.expanduser('~'), '.cache', 'pipejax', 'jax'))
@@ -98,6 +100,26 @@ def _quiet_orbax_tmp_metadata(record) -> bool:
   message = record.getMessage()
   return not (message.startswith('Metadata file does not exist:')
               and '.orbax-checkpoint-tmp' in message)
+
+
+def _quiet_closed_loop_hook(previous):
+  """``sys.unraisablehook`` less tensorstore's late callbacks: a restore
+  that fails on one array (a damaged checkpoint) ends orbax's event loop
+  while tensorstore still reads the others, and each read that ends later
+  posts its result to the closed loop (asyncio's ``RuntimeError: Event loop
+  is closed``), which tensorstore reports as unraisable: a traceback between
+  the run's one-line messages, about nothing the run still waits for. Every
+  other unraisable error goes to ``previous``."""
+  def hook(unraisable):
+    error, tb = unraisable.exc_value, unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    if (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
+        and tb is not None and tb.tb_frame.f_code.co_name == '_check_closed'):
+      return
+    previous(unraisable)
+  hook.pipejax = True
+  return hook
 
 
 @contextlib.contextmanager

@@ -251,7 +251,11 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   assert os.path.isdir(ckpt.path(2) + '.corrupt')
   # Nothing readable left: one clear error.
   shutil.rmtree(os.path.join(ckpt.path(1), 'state'))
-  with pytest.raises(checkpoints.CheckpointError, match='no readable checkpoint'):
+  with pytest.raises(checkpoints.CheckpointError,
+                     match=r'no readable checkpoint in .* \(tried steps \[1\], set aside as '
+                           r'<step>.corrupt: rename one back to try it again\); use another '
+                           r"--workdir, or --config.resume=False to start over here \(removes "
+                           r"this run's outputs\)$"):
     checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
   # A step set aside again keeps the one set aside before.
   again = checkpoints.Checkpoints(str(tmp_path))
@@ -326,6 +330,38 @@ def test_a_checkpoint_whose_bytes_changed_on_disk_is_set_aside_not_trained_from(
                       f'what was written (checksum); the files changed on disk); moved to '
                       f'{ckpt.path(2)}.corrupt (rename it back to try it again), trying the one '
                       f'before']
+
+
+def test_late_reads_of_a_failed_restore_print_no_traceback():
+  """A restore that fails on one array ends orbax's event loop while
+  tensorstore still reads others; each late read posts to the closed loop
+  and tensorstore reports the ``RuntimeError`` as unraisable. The hook that
+  ``runtime.setup`` installs drops exactly those; any other unraisable error
+  reaches the previous hook."""
+  import asyncio  # noqa: PLC0415
+  import types  # noqa: PLC0415
+  from pipejax import runtime  # noqa: PLC0415
+  assert getattr(sys.unraisablehook, 'pipejax', False)  # installed by the entry points' setup
+  seen = []
+  hook = runtime._quiet_closed_loop_hook(seen.append)  # noqa: SLF001
+  loop = asyncio.new_event_loop()
+  loop.close()
+  with pytest.raises(RuntimeError, match='Event loop is closed') as late:
+    loop.call_soon_threadsafe(print)  # what tensorstore's reader thread does
+
+  def unraisable(error):
+    return types.SimpleNamespace(exc_type=type(error), exc_value=error,
+                                 exc_traceback=error.__traceback__, err_msg=None, object=None)
+
+  hook(unraisable(late.value))
+  assert seen == []
+  try:
+    raise RuntimeError('Event loop is closed')  # the same words from elsewhere: reported
+  except RuntimeError as e:
+    other = unraisable(e)
+  hook(other)
+  hook(unraisable(ValueError('a real problem')))
+  assert [u.exc_value for u in seen][0] is other.exc_value and len(seen) == 2
 
 
 def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_removed(tmp_path):
