@@ -69,8 +69,8 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f"pipeline.exchange must be 'auto' or one of {pipeline.EXCHANGES}, got "
                       f'{c.pipeline.exchange!r}')
   if c.pipeline.devices < 1 or c.pipeline.devices > num_devices_available:
-    raise ConfigError(f'pipeline.devices={c.pipeline.devices} but {num_devices_available} '
-                      f'devices are available')
+    raise ConfigError(f'pipeline.devices={c.pipeline.devices} must be in [1, '
+                      f'{num_devices_available}]: {num_devices_available} devices are available')
   n = c.pipeline.devices
   if c.pipeline.initial_length < 1 or n % c.pipeline.initial_length:
     ok = [k for k in range(1, n + 1) if n % k == 0]
@@ -134,6 +134,9 @@ def check_config(config, num_devices_available: int) -> None:
                       f'{c.cache.on_mismatch!r}')
   if c.model.preset == 'custom' and not c.model.pretrained:
     _check_custom_model(c.model)  # the data are not needed for these sizes
+  init = c.model.get('initializer_range', 1.0)
+  if not 0 < init < math.inf:  # NaN too: the first loss would blame training
+    raise ConfigError(f'model.initializer_range must be > 0 and finite, got {init}')
   # The layer count bound is checked once the model is built (a preset or a
   # pretrained model need not have model.num_layers blocks).
   freeze.check_config(c.freeze.policy, c.freeze.alpha,

@@ -426,9 +426,11 @@ class MicroBatchProfile:
     log: where a problem with the file is said, in one line (default: a
       ``UserWarning``).
 
-  A file that cannot be read, or a JSON object that is not a profile (a path
-  given by mistake), is left as it is: the choices are kept for this run
-  only. A damaged profile is moved to ``<path>.corrupt`` and written anew.
+  A file that cannot be read, or that is not a profile (a path given by
+  mistake: a file that does not start as a JSON object does, or a JSON
+  object of other keys), is left as it is: the choices are kept for this run
+  only. A damaged profile (a JSON object cut short, an empty file) is moved
+  to ``<path>.corrupt`` and written anew.
   """
 
   def __init__(self, path: str | None, key: dict[str, Any], about: dict[str, Any] | None = None,
@@ -500,9 +502,18 @@ def _load(path: str) -> dict[str, Any]:
     ValueError: it cannot be read or is not a JSON object.
   """
   try:
-    with open(path, encoding='utf-8') as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
+    with open(path, 'rb') as f:
+      raw = f.read()
+  except OSError as e:
+    raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
+  if raw.strip() and not raw.lstrip().startswith(b'{'):
+    # A profile is a JSON object, written whole (write_atomic): a file that
+    # does not even start as one is another (a path given by mistake).
+    raise NotAProfile(f'{path} is not a micro-batch profile (it does not start as a JSON '
+                      f'object does); it is left as it is')
+  try:
+    data = json.loads(raw.decode('utf-8'))
+  except ValueError as e:  # UnicodeDecodeError too
     raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
   if not isinstance(data, dict):
     raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')

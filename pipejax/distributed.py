@@ -76,6 +76,10 @@ def check_config(config) -> None:
     if not re.fullmatch(r'[^\s:]+:\d+', c.coordinator):
       raise DistributedError(f"distributed.coordinator must be 'host:port' or 'auto', got "
                              f'{c.coordinator!r}')
+    port = int(c.coordinator.rsplit(':', 1)[1])
+    if not 1 <= port <= 65535:  # else every process waits out the timeout to fail
+      raise DistributedError(f'distributed.coordinator={c.coordinator!r}: the port must be in '
+                             f'[1, 65535], got {port}')
     if c.num_processes < 1 or not 0 <= c.process_id < c.num_processes:
       raise DistributedError(f'distributed.process_id={c.process_id} must be in [0, '
                              f'num_processes={c.num_processes})')

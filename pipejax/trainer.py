@@ -294,8 +294,10 @@ class Trainer:
     # The key (hashed) is the description with the HF config as its repr.
     key = {'model': repr(model.hf_config.to_dict()),
            **{k: v for k, v in about.items() if k != 'hf_config'}}
-    self.profile = autopipe.MicroBatchProfile(c.pipeline.profile_path or None, key, about,
-                                              log=self.log)
+    # A fixed pipeline.micro_batches never reads or writes the profile file.
+    self.profile = autopipe.MicroBatchProfile(
+        (c.pipeline.profile_path or None) if not c.pipeline.micro_batches else None, key, about,
+        log=self.log)
     self.lr, self.optimizer = optimizer_for(c.train, self.steps_per_epoch)
     self._steps: dict[tuple, Any] = {}  # by pipeline.program_key
     self._eval: dict[tuple, concurrent.futures.Future] = {}  # compiled evaluation forwards

@@ -233,11 +233,11 @@ def test_micro_batch_profile_is_remembered_across_runs(tmp_path):
   assert open(path + '.corrupt').read() == '{corrupt'
   assert autopipe.MicroBatchProfile(path, {'model': 'x'}).get(4) == 8
   with open(path, 'w') as f:
-    f.write('[]')
+    f.write('')  # empty: a profile's write cut short too
   with pytest.warns(UserWarning, match=r'profile\.json\.corrupt\.2'):
     autopipe.MicroBatchProfile(path, {'model': 'x'})
   assert open(path + '.corrupt').read() == '{corrupt'
-  assert open(path + '.corrupt.2').read() == '[]'
+  assert open(path + '.corrupt.2').read() == ''
 
 
 def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
@@ -257,6 +257,19 @@ def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
                    f"micro-batch counts are kept for this run only"]
   assert path.read_bytes() == before
   assert sorted(os.listdir(tmp_path)) == ['summary.json', 'summary.json.lock']
+  # Nor is a file that does not start as a JSON object does: notes, a JSON
+  # array, a binary file.
+  for name, content in (('notes.txt', b'my notes\n'), ('list.json', b' [1, 2]'),
+                        ('image.png', b'\x89PNG\r\n\x1a\n\x00')):
+    other = tmp_path / name
+    other.write_bytes(content)
+    lines.clear()
+    kept = autopipe.MicroBatchProfile(str(other), {'model': 'x'}, log=lines.append)
+    assert kept.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)[0] == 8
+    assert lines == [f'{other} is not a micro-batch profile (it does not start as a JSON object '
+                     f'does); it is left as it is; the micro-batch counts are kept for this run '
+                     f'only'], name
+    assert other.read_bytes() == content and not os.path.exists(f'{other}.corrupt')
   # A damaged profile is set aside and written anew, said in one line too.
   damaged = tmp_path / 'profile.json'
   damaged.write_text('{corrupt')
@@ -549,14 +562,24 @@ def test_a_profile_written_before_records_had_a_description_is_still_used(tmp_pa
     assert json.load(f)[digest] == {
         '8': {'micro_batches': 16, 'seconds': {}},
         '4': {'micro_batches': 8, 'seconds': {'4': 0.25, '8': 0.125}}}
-  for content in ('null', '[1]', '"x"', '{"%s": {"8": {"micro_batches": "16"}}}' % digest):
+  # A damaged record: measured again and saved.
+  with open(path, 'w') as f:
+    f.write('{"%s": {"8": {"micro_batches": "16"}}}' % digest)
+  profile = autopipe.MicroBatchProfile(path, key, {'devices': 8})
+  assert profile.get(8) is None
+  assert profile.choose(8, [8, 16], lambda m: 1.0 / m)[0] == 16
+  with open(path) as f:
+    assert json.load(f)[digest]['8']['micro_batches'] == 16
+  # JSON that is no object is no profile: measured for this run, the file left as it is.
+  for content in ('null', '[1]', '"x"'):
     with open(path, 'w') as f:
       f.write(content)
-    profile = autopipe.MicroBatchProfile(path, key, {'devices': 8})
+    with pytest.warns(UserWarning, match='is not a micro-batch profile'):
+      profile = autopipe.MicroBatchProfile(path, key, {'devices': 8})
     assert profile.get(8) is None
-    assert profile.choose(8, [8, 16], lambda m: 1.0 / m)[0] == 16  # measured and saved
+    assert profile.choose(8, [8, 16], lambda m: 1.0 / m)[0] == 16
     with open(path) as f:
-      assert json.load(f)[digest]['8']['micro_batches'] == 16
+      assert f.read() == content
 
 
 def test_partition_rejects_bad_frozen_count():

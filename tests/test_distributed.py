@@ -153,6 +153,9 @@ def test_one_data_shard_for_several_processes_is_refused(monkeypatch):
 
 @pytest.mark.parametrize('key,value,message', [
     ('coordinator', 'localhost', "must be 'host:port' or 'auto'"),
+    ('coordinator', 'localhost:99999', r"coordinator='localhost:99999': the port must be in "
+                                       r'\[1, 65535\], got 99999'),
+    ('coordinator', 'localhost:0', r'the port must be in \[1, 65535\], got 0'),
     ('process_id', 2, r'process_id=2 must be in \[0, num_processes=2\)'),
     ('data_shards', -1, 'data_shards must be >= 0'),
 ])

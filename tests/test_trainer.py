@@ -485,11 +485,18 @@ def test_a_mid_epoch_checkpoint_is_refused_where_the_data_shards_differ(tmp_path
   sharded.check_resumable(mid)
 
 
-def test_a_fixed_micro_batch_count_survives_transitions_whatever_the_profile_remembers():
+def test_a_fixed_micro_batch_count_survives_transitions_whatever_the_profile_remembers(
+    tmp_path):
   """``pipeline.micro_batches`` set: every plan runs that M, even where the
   shared profile file remembers another M for the new K (what a profiling
-  run of the same model wrote)."""
-  trainer, _ = _trainer(_config(alpha=0.5, initial_length=4, micro_batches=4))
+  run of the same model wrote); the file is neither read nor written."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=4)
+  notes = tmp_path / 'notes.txt'
+  notes.write_text('{my notes')  # what a damaged profile looks like: never moved here
+  with config.unlocked():
+    config.pipeline.profile_path = str(notes)
+  trainer, _ = _trainer(config)
+  assert trainer.profile.path is None and os.listdir(tmp_path) == ['notes.txt']
   trainer.profile.entries = {str(k): {'micro_batches': 2, 'seconds': {}} for k in (1, 2, 4)}
   assert trainer.plan.micro_batches == 4
   trainer.train_epoch(0, _Bar())
@@ -1120,7 +1127,7 @@ def test_runs_with_and_without_autodp_keep_apart_micro_batch_choices(tmp_path):
   for autodp_on, m in ((True, 4), (False, 8)):
     config = _config()
     with config.unlocked():
-      config.pipeline.update(profile_path=path, autodp=autodp_on)
+      config.pipeline.update(profile_path=path, autodp=autodp_on, micro_batches=0)
     trainer, _ = _trainer(config)
     assert trainer.profile.get(2) is None  # the other run's choice is not this run's
     assert trainer.profile.choose(2, [2, m], lambda x, m=m: 0.0 if x == m else 1.0)[0] == m
