@@ -12,8 +12,9 @@ ENTRY_POINTS = ('vit_imagenet', 'bert_glue', 'bert_squad')
 MEANINGS: dict[str, str] = {
     'seed': "seeds the initialisation, the data's order (and the digits' split) and dropout; "
             'in [0, 2**32)',
-    'resume': "continue from the workdir's newest checkpoint; False starts over (removes "
-              "the workdir's earlier outputs)",
+    'resume': "continue from the workdir's newest checkpoint; False starts over (the "
+              "workdir's earlier outputs wait in <workdir>/replaced until the new run's first "
+              "checkpoint)",
 
     'data.name': "ViT: 'auto' (imagenet2012 if prepared for TFDS, else the embedded digits), "
                  "'imagenet2012' or 'digits'; GLUE: 'glue/<task>' (sst2, mnli, qnli, ...); "

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import textwrap
 import time
@@ -228,6 +229,7 @@ def resolve_data(config, task: str = 'vit'):
 #: The files a run writes into its workdir (beside ``checkpoints/``).
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
 SAMPLE_IDS = 'sample_ids'  # process_<i>.json of each process of a sharded run
+REPLACED = 'replaced'  # a run's outputs that --config.resume=False moved aside (_start_over)
 LOCK_FILE = '.lock'  # held by the run writing the workdir (lock_workdir)
 
 
@@ -240,7 +242,8 @@ def check_workdir(workdir: str, checkpoints_enabled: bool,
   if problem:
     raise ConfigError(f'cannot use --workdir={workdir}: {problem}')
   outputs = [(name, False) for name in files]
-  for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
+  for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled + [
+      (REPLACED, True)]:
     path = os.path.join(workdir, name)
     if os.path.exists(path) and os.path.isdir(path) != is_dir:
       raise ConfigError(f'cannot use --workdir={workdir}: {path} is a '
@@ -465,28 +468,70 @@ def _progress(epoch: int, total: int):
 
 
 def _start_over(workdir: str) -> None:
-  """Removes a previous run's outputs from ``workdir`` (``--config.resume=False``);
-  refuses, removing nothing, a checkpoint folder of another program's."""
+  """Moves a previous run's outputs out of ``workdir`` (``--config.resume=False``)
+  into ``workdir/replaced``, which :func:`_drop_replaced` removes once the new
+  run has trained to its first checkpoint: a new run that fails before (a
+  value no check refuses, which makes the first loss NaN) loses nothing.
+  Where ``replaced`` already holds a run's outputs (the new run before this
+  one failed before its first checkpoint), they stay, and what that run left
+  is removed. Refuses, moving nothing, a checkpoint folder of another
+  program's."""
   checkpoints.check_own(workdir)
-  removed = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
+  moved = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
   ids = os.path.join(workdir, SAMPLE_IDS)
   served = sorted(n for n in (os.listdir(ids) if os.path.isdir(ids) else ())
                   if re.fullmatch(r'process_\d+\.json', n))
   if served:
-    removed.append(f'{SAMPLE_IDS}/')
+    moved.append(f'{SAMPLE_IDS}/')
   if os.path.isdir(os.path.join(workdir, 'checkpoints')):
-    removed.append('its checkpoints')
-  if not removed or jax.process_index() != 0:
+    moved.append('its checkpoints')
+  if not moved or jax.process_index() != 0:
     return
-  for name in removed:
+  replaced = os.path.join(workdir, REPLACED)
+  keep = not os.path.isdir(replaced)  # else it holds the outputs worth keeping
+  into = replaced if keep else None
+  if keep:
+    os.makedirs(os.path.join(replaced, SAMPLE_IDS) if served else replaced)
+  def away(path, *under):
+    if keep:
+      os.replace(path, os.path.join(replaced, *under, os.path.basename(path)))
+    else:
+      os.remove(path)
+
+  for name in moved:
     if name in RUN_FILES:
-      os.remove(os.path.join(workdir, name))
+      away(os.path.join(workdir, name))
   for name in served:  # the run's own records; anything else there stays
-    os.remove(os.path.join(ids, name))
+    away(os.path.join(ids, name), SAMPLE_IDS)
   if served and not os.listdir(ids):
     os.rmdir(ids)
-  checkpoints.clear(workdir)
-  _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(removed)}')
+  checkpoints.clear(workdir, into=into)
+  _log(f'starting over in {workdir} (--config.resume=False): ' + (
+      f'moved {", ".join(moved)} to {replaced}, removed once this run saves its first '
+      f'checkpoint' if keep else
+      f'removed {", ".join(moved)} of a run that ended before its first checkpoint; '
+      f'{replaced} keeps the outputs it replaced'))
+
+
+def _drop_replaced(workdir: str) -> None:
+  """Removes ``workdir/replaced`` (see :func:`_start_over`): the new run
+  has trained to a checkpoint."""
+  replaced = os.path.join(workdir, REPLACED)
+  if jax.process_index() == 0 and os.path.isdir(replaced):
+    shutil.rmtree(replaced, ignore_errors=True)
+    _log(f'removed {replaced}: the outputs of the run that this one replaced')
+
+
+def _refuse_replaced(workdir: str) -> None:
+  """A resume refuses a workdir whose ``replaced`` folder holds a run's
+  outputs (:func:`_start_over`): the run that replaced them ended before its
+  first checkpoint, so resuming would start afresh and then remove them."""
+  replaced = os.path.join(workdir, REPLACED)
+  if os.path.isdir(replaced):
+    raise ConfigError(f'{replaced} holds the outputs of a run that --config.resume=False '
+                      f'replaced, and the run that replaced them ended before its first '
+                      f'checkpoint: move them back into {workdir} to resume that run, or '
+                      f'start over again with --config.resume=False')
 
 
 def _summary_epochs(summary: dict | None) -> int | None:
@@ -580,8 +625,8 @@ def run(config, workdir: str | None, task: str,
 
   With ``config.resume`` (the default) a workdir holding checkpoints of a
   run continues from the newest readable one (plan recomputed if the device
-  count changed); ``config.resume=False`` starts over, removing the old
-  outputs. ``stop_requested`` is polled after every step (see
+  count changed); ``config.resume=False`` starts over, moving the old
+  outputs aside until the new run's first checkpoint (:func:`_start_over`). ``stop_requested`` is polled after every step (see
   :class:`pipejax.resume.StopOnSignal`): when True the run saves and raises
   :class:`pipejax.trainer.TrainingInterrupted`. The workdir is claimed for
   the run (:func:`lock_workdir`): a second run started on it meanwhile is
@@ -688,12 +733,17 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   ckpt = open_checkpoints() if config.resume else None
 
   def save(portable, meta, wait):
+    # The trainer saves only a state whose loss and norms are finite: this run
+    # trains, so the outputs of the one it replaced can go.
+    _drop_replaced(workdir)
     if ckpt is None:
       return None
     ckpt.save(meta['step'], portable, {**meta_base, **meta}, wait=wait)
     return ckpt.path(meta['step'])
 
   try:
+    if config.resume:
+      _refuse_replaced(workdir)
     latest = ckpt.latest_meta() if ckpt is not None and config.resume else None
     if latest is not None:  # refuse before building anything
       resume.check_identity(latest[0], ident, latest[1])

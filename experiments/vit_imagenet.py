@@ -98,7 +98,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.enabled = True
   c.checkpoint.keep = 2
   c.checkpoint.every_steps = 0  # > 0: also save every N steps inside an epoch
-  # Continue from workdir's newest checkpoint; False starts over (removes its outputs).
+  # Continue from workdir's newest checkpoint; False starts over (its outputs move to
+  # <workdir>/replaced, removed at the new run's first checkpoint).
   c.resume = True
   c.lock()
   return c

@@ -296,7 +296,7 @@ class Checkpoints:
       raise CheckpointError(f'no readable checkpoint in {self.directory} (tried steps {steps}, '
                             f'set aside as <step>.corrupt: rename one back to try it again); '
                             f'use another --workdir, or --config.resume=False to start over '
-                            f'here (removes this run\'s outputs)')
+                            f'here (this run\'s outputs are removed at its first checkpoint)')
     return None
 
   def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
@@ -334,9 +334,10 @@ def set_aside(workdir: str) -> list[str]:
   return sorted(name for name in os.listdir(directory) if '.corrupt' in name)
 
 
-def clear(workdir: str) -> None:
+def clear(workdir: str, into: str | None = None) -> None:
   """Removes a run's checkpoints (starting over): its steps, those set aside
-  and unfinished saves; anything else in ``workdir/checkpoints`` stays (and
+  and unfinished saves, or with ``into`` moves them into the folder
+  ``into/checkpoints``; anything else in ``workdir/checkpoints`` stays (and
   the folder with it).
 
   Raises:
@@ -352,7 +353,11 @@ def clear(workdir: str) -> None:
   for name in names:
     path = os.path.join(directory, name)
     if _OWN.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
-      shutil.rmtree(path, ignore_errors=True)
+      if into is None:
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        os.makedirs(os.path.join(into, 'checkpoints'), exist_ok=True)
+        os.replace(path, os.path.join(into, 'checkpoints', name))
   try:
     os.rmdir(directory)
   except OSError:

@@ -20,6 +20,7 @@ import pytest
 
 from experiments import elastic, vit_imagenet
 from pipejax import checkpoints, reporting, resume
+from pipejax import trainer as trainer_lib
 from pipejax.trainer import Trainer, TrainingInterrupted
 from tests import fixtures
 
@@ -254,8 +255,8 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   with pytest.raises(checkpoints.CheckpointError,
                      match=r'no readable checkpoint in .* \(tried steps \[1\], set aside as '
                            r'<step>.corrupt: rename one back to try it again\); use another '
-                           r"--workdir, or --config.resume=False to start over here \(removes "
-                           r"this run's outputs\)$"):
+                           r"--workdir, or --config.resume=False to start over here \(this run's "
+                           r"outputs are removed at its first checkpoint\)$"):
     checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
   # A step set aside again keeps the one set aside before.
   again = checkpoints.Checkpoints(str(tmp_path))
@@ -458,10 +459,12 @@ def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tm
   assert again['final_eval_accuracy'] == rows[-1]['eval_accuracy']
 
 
-def test_starting_over_removes_the_runs_outputs_and_nothing_else(tmp_path):
+def test_starting_over_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
   """--config.resume=False: the run files, the processes' sample-ID records and
-  the checkpoints go; a file of the user's, in the workdir or beside the
-  records, stays."""
+  the checkpoints move to ``replaced/`` (removed once the new run saves); a
+  file of the user's, in the workdir or beside the records, stays. Started
+  over again before that, ``replaced/`` keeps what it holds and the failed
+  run's own outputs go."""
   workdir = str(tmp_path)
   reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
   os.makedirs(os.path.join(workdir, 'sample_ids'))
@@ -473,9 +476,59 @@ def test_starting_over_removes_the_runs_outputs_and_nothing_else(tmp_path):
   ckpt = checkpoints.Checkpoints(workdir)
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
   ckpt.close()
+  rows = open(os.path.join(workdir, 'metrics.jsonl')).read()
   elastic._start_over(workdir)
-  assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
+  assert sorted(os.listdir(workdir)) == ['notes.txt', 'replaced', 'sample_ids']
   assert os.listdir(os.path.join(workdir, 'sample_ids')) == ['mine.txt']
+  replaced = os.path.join(workdir, 'replaced')
+  assert sorted(os.listdir(replaced)) == ['checkpoints', 'metrics.jsonl', 'sample_ids']
+  assert sorted(os.listdir(os.path.join(replaced, 'sample_ids'))) == [
+      'process_0.json', 'process_1.json']
+  assert open(os.path.join(replaced, 'metrics.jsonl')).read() == rows
+  # What the replaced run's checkpoints are: readable where they went.
+  _, meta, _ = checkpoints.Checkpoints(replaced).restore(_abstract)
+  assert meta == {'n': 1}
+  # A new run that failed before its first checkpoint left a row: that goes.
+  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 9.0})
+  with pytest.raises(elastic.ConfigError, match=r'replaced holds the outputs of a run that '
+                                                r'--config.resume=False replaced'):
+    elastic._refuse_replaced(workdir)
+  elastic._start_over(workdir)
+  assert sorted(os.listdir(workdir)) == ['notes.txt', 'replaced', 'sample_ids']
+  assert open(os.path.join(replaced, 'metrics.jsonl')).read() == rows
+  elastic._drop_replaced(workdir)
+  assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
+  elastic._refuse_replaced(workdir)
+
+
+def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_path,
+                                                                          monkeypatch):
+  """A finished run, started over with a setting that no check refuses and
+  whose first loss is NaN: its outputs wait in ``replaced/``; the same
+  command without --config.resume=False is refused (it would start afresh
+  and drop them); a start over that trains removes them at its first
+  checkpoint."""
+  workdir = str(tmp_path / 'run')
+  profile = str(tmp_path / 'p.json')
+  elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
+  before = {name: open(os.path.join(workdir, name), 'rb').read()
+            for name in ('metrics.jsonl', 'summary.json')}
+
+  def diverges(self, *args, **kwargs):
+    raise trainer_lib.LossNotFinite(float('nan'), 0, 1)
+
+  with monkeypatch.context() as patched:
+    patched.setattr(trainer_lib.Trainer, 'run', diverges)
+    with pytest.raises(elastic.TrainingDiverged, match='Last good checkpoint: none'):
+      elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  replaced = os.path.join(workdir, 'replaced')
+  assert {name: open(os.path.join(replaced, name), 'rb').read() for name in before} == before
+  assert os.listdir(os.path.join(replaced, 'checkpoints')) == ['3']
+  with pytest.raises(elastic.ConfigError, match='move them back into'):
+    elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
+  assert os.path.isdir(replaced)
+  elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  assert not os.path.exists(replaced) and len(_rows(workdir)) == 1
 
 
 def test_the_interrupted_line_says_what_resumes_the_run():
