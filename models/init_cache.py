@@ -55,6 +55,9 @@ def cached_init(directory: str | None, digest: str, init: Callable[[], Any],
   path = os.path.join(directory, f'init-{digest[:40]}.npz')
   if os.path.exists(path):
     try:
+      with open(path, 'rb') as f:  # np.load takes any other bytes for a pickle
+        if f.read(4) != b'PK\x03\x04':
+          raise ValueError('not an .npz archive')
       with np.load(path, allow_pickle=False) as entry:
         flat = {tuple(name.split(_SEPARATOR)): jnp.asarray(entry[name]) for name in entry.files}
       diskcache.touch(path)  # recently used: kept by diskcache.trim
