@@ -970,7 +970,7 @@ class Trainer:
         and self.config.freeze.get('keep_slot_width', False)):
       # Same K: keep the slot width, so the step compiled for it runs on. Off
       # by default: a padded slot costs every tick (the default model's K = 8
-      # step at F = 8: 48 ms padded to F = 4's width, 32 ms at its own;
+      # step at F = 8: 29.7 ms padded to F = 4's width, 23.5 ms at its own;
       # `python -m experiments.bench_plans` times both), more than loading
       # the narrower step ahead.
       partition = dataclasses.replace(partition, min_slots=old.tables.num_slots)
