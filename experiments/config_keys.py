@@ -14,7 +14,7 @@ MEANINGS: dict[str, str] = {
             'in [0, 2**32)',
     'resume': "continue from the workdir's newest checkpoint; False starts over (the "
               "workdir's earlier outputs wait in <workdir>/replaced until the new run's first "
-              "checkpoint)",
+              "checkpoint, and come back if it fails before)",
 
     'data.name': "ViT: 'auto' (imagenet2012 if prepared for TFDS, else the embedded digits), "
                  "'imagenet2012' or 'digits'; GLUE: 'glue/<task>' (sst2, mnli, qnli, ...); "

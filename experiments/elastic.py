@@ -230,6 +230,7 @@ def resolve_data(config, task: str = 'vit'):
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
 SAMPLE_IDS = 'sample_ids'  # process_<i>.json of each process of a sharded run
 REPLACED = 'replaced'  # a run's outputs that --config.resume=False moved aside (_start_over)
+_REPLACED_MARK = '.pipejax-replaced'  # in REPLACED: made by _start_over
 LOCK_FILE = '.lock'  # held by the run writing the workdir (lock_workdir)
 
 
@@ -242,8 +243,7 @@ def check_workdir(workdir: str, checkpoints_enabled: bool,
   if problem:
     raise ConfigError(f'cannot use --workdir={workdir}: {problem}')
   outputs = [(name, False) for name in files]
-  for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled + [
-      (REPLACED, True)]:
+  for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
     path = os.path.join(workdir, name)
     if os.path.exists(path) and os.path.isdir(path) != is_dir:
       raise ConfigError(f'cannot use --workdir={workdir}: {path} is a '
@@ -467,33 +467,55 @@ def _progress(epoch: int, total: int):
     bar.close()
 
 
-def _start_over(workdir: str) -> None:
-  """Moves a previous run's outputs out of ``workdir`` (``--config.resume=False``)
-  into ``workdir/replaced``, which :func:`_drop_replaced` removes once the new
-  run has trained to its first checkpoint: a new run that fails before (a
-  value no check refuses, which makes the first loss NaN) loses nothing.
-  Where ``replaced`` already holds a run's outputs (the new run before this
-  one failed before its first checkpoint), they stay, and what that run left
-  is removed. Refuses, moving nothing, a checkpoint folder of another
-  program's."""
+def _all_processes_here() -> None:
+  """With several processes, returns once every process has called it (what
+  process 0 did to the workdir's files before is then done for all)."""
+  if jax.process_count() > 1:
+    distributed.gather_exact(np.zeros(1))
+
+
+def _replaced(workdir: str) -> str | None:
+  """``workdir/replaced`` where :func:`_start_over` made it (its mark
+  inside), else None."""
+  path = os.path.join(workdir, REPLACED)
+  return path if os.path.isfile(os.path.join(path, _REPLACED_MARK)) else None
+
+
+def _start_over(workdir: str) -> bool:
+  """Moves a previous run's outputs (its run files, sample-ID records and
+  checkpoints) out of ``workdir`` for ``--config.resume=False``, into
+  ``workdir/replaced``: :func:`_drop_replaced` removes them once the new run
+  has a finished checkpoint, and :func:`_put_back` returns them where it
+  fails before (a value no check refuses, which makes the first loss NaN).
+  Where ``replaced`` already holds a run's outputs (a start over killed
+  before either), they stay and what that run left is removed. Refuses,
+  moving nothing, a checkpoint folder or a ``replaced`` of another program's.
+  Returns whether ``replaced`` holds outputs the new run replaces (on
+  process 0, the one that moves files)."""
   checkpoints.check_own(workdir)
+  replaced = os.path.join(workdir, REPLACED)
+  if os.path.lexists(replaced) and _replaced(workdir) is None:
+    raise ConfigError(f'{replaced} is not pipejax\'s (starting over moves the run\'s outputs '
+                      f'there): move it out of {workdir}, or use another --workdir')
   moved = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
   ids = os.path.join(workdir, SAMPLE_IDS)
   served = sorted(n for n in (os.listdir(ids) if os.path.isdir(ids) else ())
                   if re.fullmatch(r'process_\d+\.json', n))
   if served:
     moved.append(f'{SAMPLE_IDS}/')
-  if os.path.isdir(os.path.join(workdir, 'checkpoints')):
+  if checkpoints.own_entries(workdir):
     moved.append('its checkpoints')
+  keep = _replaced(workdir) is None  # else it holds the outputs worth keeping
   if not moved or jax.process_index() != 0:
-    return
-  replaced = os.path.join(workdir, REPLACED)
-  keep = not os.path.isdir(replaced)  # else it holds the outputs worth keeping
-  into = replaced if keep else None
+    return not keep
   if keep:
-    os.makedirs(os.path.join(replaced, SAMPLE_IDS) if served else replaced)
+    os.makedirs(replaced)
+    with open(os.path.join(replaced, _REPLACED_MARK), 'w', encoding='utf-8') as f:
+      f.write('the outputs of a run that --config.resume=False replaced\n')
+
   def away(path, *under):
     if keep:
+      os.makedirs(os.path.join(replaced, *under), exist_ok=True)
       os.replace(path, os.path.join(replaced, *under, os.path.basename(path)))
     else:
       os.remove(path)
@@ -505,34 +527,63 @@ def _start_over(workdir: str) -> None:
     away(os.path.join(ids, name), SAMPLE_IDS)
   if served and not os.listdir(ids):
     os.rmdir(ids)
-  checkpoints.clear(workdir, into=into)
+  checkpoints.clear(workdir, into=replaced if keep else None)
   _log(f'starting over in {workdir} (--config.resume=False): ' + (
-      f'moved {", ".join(moved)} to {replaced}, removed once this run saves its first '
-      f'checkpoint' if keep else
-      f'removed {", ".join(moved)} of a run that ended before its first checkpoint; '
-      f'{replaced} keeps the outputs it replaced'))
+      f'moved {", ".join(moved)} to {replaced}, removed once this run has a checkpoint' if keep
+      else f'removed {", ".join(moved)} of a run that ended before its first checkpoint; '
+           f'{replaced} keeps the outputs it replaced'))
+  return True
 
 
 def _drop_replaced(workdir: str) -> None:
-  """Removes ``workdir/replaced`` (see :func:`_start_over`): the new run
-  has trained to a checkpoint."""
-  replaced = os.path.join(workdir, REPLACED)
-  if jax.process_index() == 0 and os.path.isdir(replaced):
-    shutil.rmtree(replaced, ignore_errors=True)
-    _log(f'removed {replaced}: the outputs of the run that this one replaced')
+  """Removes ``workdir/replaced`` (:func:`_start_over`): the new run has a
+  finished checkpoint (or, without checkpoints, has finished). Renamed
+  first, so that a removal that fails halfway leaves no ``replaced`` that
+  would be put back."""
+  replaced = _replaced(workdir)
+  if replaced is None or jax.process_index() != 0:
+    return
+  doomed = os.path.join(workdir, f'.{REPLACED}.removing-{os.getpid()}')
+  try:
+    os.replace(replaced, doomed)
+    shutil.rmtree(doomed)
+  except OSError as e:
+    _log(f'could not remove {replaced}, the outputs of the run this one replaced ({e}); '
+         f'remove it by hand')
+    return
+  _log(f'removed {replaced}: the outputs of the run that this one replaced')
 
 
-def _refuse_replaced(workdir: str) -> None:
-  """A resume refuses a workdir whose ``replaced`` folder holds a run's
-  outputs (:func:`_start_over`): the run that replaced them ended before its
-  first checkpoint, so resuming would start afresh and then remove them."""
-  replaced = os.path.join(workdir, REPLACED)
-  if os.path.isdir(replaced):
-    raise ConfigError(f'{replaced} holds the outputs of a run that --config.resume=False '
-                      f'replaced, and the run that replaced them ended before its first '
-                      f'checkpoint: move them back into {workdir} to resume that run, or '
-                      f'start over again with --config.resume=False')
-
+def _put_back(workdir: str) -> None:
+  """Returns the outputs in ``workdir/replaced`` (:func:`_start_over`) to
+  ``workdir``, removing what the run that replaced them left (it ended
+  before its first checkpoint): the workdir is as before the start over."""
+  replaced = _replaced(workdir)
+  if replaced is None or jax.process_index() != 0:
+    return
+  try:
+    for name in RUN_FILES:
+      if os.path.exists(os.path.join(workdir, name)):
+        os.remove(os.path.join(workdir, name))
+    checkpoints.clear(workdir)  # what the failed run began to save
+    for sub in ('', SAMPLE_IDS, 'checkpoints'):
+      source = os.path.join(replaced, sub)
+      if sub and not os.path.isdir(source):
+        continue
+      for name in os.listdir(source):
+        if sub or name in RUN_FILES:
+          os.makedirs(os.path.join(workdir, sub), exist_ok=True)
+          os.replace(os.path.join(source, name), os.path.join(workdir, sub, name))
+      if sub:
+        os.rmdir(source)
+    os.remove(os.path.join(replaced, _REPLACED_MARK))
+    os.rmdir(replaced)
+  except (OSError, checkpoints.CheckpointError) as e:
+    _log(f'could not put the outputs in {replaced} back into {workdir} ({e}); move them '
+         f'back by hand')
+    return
+  _log(f'the outputs of the run that --config.resume=False replaced are back in {workdir}: '
+       f'the run that replaced them ended before its first checkpoint')
 
 def _summary_epochs(summary: dict | None) -> int | None:
   """The epochs a finished run's ``summary.json`` was written for (None
@@ -730,20 +781,27 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     return (checkpoints.Checkpoints(workdir, config.checkpoint.keep)
             if config.checkpoint.enabled else None)
 
+  if config.resume:
+    # A start over killed before its first checkpoint: the run it replaced is
+    # the run in this workdir.
+    _put_back(workdir)
+    _all_processes_here()
   ckpt = open_checkpoints() if config.resume else None
+  replacing = [False]  # outputs of a replaced run wait in workdir/replaced
 
   def save(portable, meta, wait):
-    # The trainer saves only a state whose loss and norms are finite: this run
-    # trains, so the outputs of the one it replaced can go.
-    _drop_replaced(workdir)
     if ckpt is None:
       return None
-    ckpt.save(meta['step'], portable, {**meta_base, **meta}, wait=wait)
+    # The trainer saves only a state whose loss and norms are finite. Its
+    # first checkpoint on disk (written at once), the replaced run can go.
+    ckpt.save(meta['step'], portable, {**meta_base, **meta}, wait=wait or replacing[0])
+    if replacing[0]:
+      replacing[0] = False
+      _drop_replaced(workdir)
     return ckpt.path(meta['step'])
 
+  trained = False
   try:
-    if config.resume:
-      _refuse_replaced(workdir)
     latest = ckpt.latest_meta() if ckpt is not None and config.resume else None
     if latest is not None:  # refuse before building anything
       resume.check_identity(latest[0], ident, latest[1])
@@ -757,7 +815,8 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
       if latest is not None:
         trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
       if not config.resume:
-        _start_over(workdir)
+        replacing[0] = _start_over(workdir)
+        _all_processes_here()  # before any process's orbax lists the steps
         ckpt = open_checkpoints()
       else:
         _resume(workdir, trainer, ckpt, ident)
@@ -797,13 +856,20 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     result = trainer.run(config.train.epochs, _progress, save=save,
                          stop_requested=distributed.agreed_stop(stop_requested),
                          save_every_steps=config.checkpoint.every_steps)
+    trained = True
   except LossNotFinite as e:
     last = ckpt.latest() if ckpt is not None else None
     raise TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
                            f'{last or "none (checkpoints disabled or none saved yet)"}') from e
   finally:
-    if ckpt is not None:
-      ckpt.close()
+    try:
+      if ckpt is not None:
+        ckpt.close()
+    finally:
+      if replacing[0] and not trained:  # failed or stopped before its first checkpoint
+        _put_back(workdir)
+      elif replacing[0]:  # trained to the end without checkpoints
+        _drop_replaced(workdir)
   if isinstance(train_loader, ShardedLoader):
     _write_served_ids(workdir, train_loader, eval_loader, trainer.prefix.local_stats())
   rows = result['rows']
@@ -924,7 +990,7 @@ def _how_to_resume(config, stop: TrainingInterrupted) -> str:
     return 'nothing was saved (checkpoint.enabled=False): the run cannot be resumed'
   if not config.resume:
     return ('run the command again without --config.resume=False to resume (with it, the run '
-            'starts over and removes this checkpoint)')
+            'starts over again, and this checkpoint goes once the new run has one)')
   return 'run the same command to resume'
 
 

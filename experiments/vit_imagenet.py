@@ -98,8 +98,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint.enabled = True
   c.checkpoint.keep = 2
   c.checkpoint.every_steps = 0  # > 0: also save every N steps inside an epoch
-  # Continue from workdir's newest checkpoint; False starts over (its outputs move to
-  # <workdir>/replaced, removed at the new run's first checkpoint).
+  # Continue from workdir's newest checkpoint; False starts over (its outputs wait in
+  # <workdir>/replaced until the new run's first checkpoint; back if it fails before).
   c.resume = True
   c.lock()
   return c

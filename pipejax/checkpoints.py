@@ -334,6 +334,19 @@ def set_aside(workdir: str) -> list[str]:
   return sorted(name for name in os.listdir(directory) if '.corrupt' in name)
 
 
+def own_entries(workdir: str) -> list[str]:
+  """The names in ``workdir/checkpoints`` that are a run's own: its steps,
+  those set aside and unfinished saves (none where there is no folder)."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return []
+  return sorted(name for name in names if _OWN.fullmatch(name)
+                and os.path.isdir(os.path.join(directory, name))
+                and not os.path.islink(os.path.join(directory, name)))
+
+
 def clear(workdir: str, into: str | None = None) -> None:
   """Removes a run's checkpoints (starting over): its steps, those set aside
   and unfinished saves, or with ``into`` moves them into the folder
@@ -346,18 +359,15 @@ def clear(workdir: str, into: str | None = None) -> None:
   """
   check_own(workdir)
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
-  try:
-    names = os.listdir(directory)
-  except OSError:
+  if not os.path.isdir(directory):
     return
-  for name in names:
+  for name in own_entries(workdir):
     path = os.path.join(directory, name)
-    if _OWN.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
-      if into is None:
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        os.makedirs(os.path.join(into, 'checkpoints'), exist_ok=True)
-        os.replace(path, os.path.join(into, 'checkpoints', name))
+    if into is None:
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      os.makedirs(os.path.join(into, 'checkpoints'), exist_ok=True)
+      os.replace(path, os.path.join(into, 'checkpoints', name))
   try:
     os.rmdir(directory)
   except OSError:

@@ -459,13 +459,21 @@ def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tm
   assert again['final_eval_accuracy'] == rows[-1]['eval_accuracy']
 
 
+def _tree(root):
+  return sorted(os.path.relpath(os.path.join(folder, n), root)
+                for folder, dirs, files in os.walk(root) for n in dirs + files)
+
+
 def test_starting_over_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
   """--config.resume=False: the run files, the processes' sample-ID records and
-  the checkpoints move to ``replaced/`` (removed once the new run saves); a
-  file of the user's, in the workdir or beside the records, stays. Started
-  over again before that, ``replaced/`` keeps what it holds and the failed
-  run's own outputs go."""
-  workdir = str(tmp_path)
+  the checkpoints move to ``replaced/``; a file of the user's, in the workdir
+  or beside the records, stays. Put back, the workdir is as it was. Started
+  over again while ``replaced/`` holds them (a start over killed before its
+  first checkpoint), they stay there and what that run left goes; dropped,
+  the folder is gone. A ``replaced`` folder pipejax did not make is refused,
+  untouched."""
+  workdir = str(tmp_path / 'run')
+  os.makedirs(workdir)
   reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
   os.makedirs(os.path.join(workdir, 'sample_ids'))
   for name in ('process_0.json', 'process_1.json', 'mine.txt'):
@@ -476,43 +484,67 @@ def test_starting_over_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
   ckpt = checkpoints.Checkpoints(workdir)
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
   ckpt.close()
+  original = {n: open(os.path.join(workdir, n), 'rb').read() for n in _tree(workdir)
+              if os.path.isfile(os.path.join(workdir, n))}
   rows = open(os.path.join(workdir, 'metrics.jsonl')).read()
-  elastic._start_over(workdir)
+  assert elastic._start_over(workdir) is True
   assert sorted(os.listdir(workdir)) == ['notes.txt', 'replaced', 'sample_ids']
   assert os.listdir(os.path.join(workdir, 'sample_ids')) == ['mine.txt']
   replaced = os.path.join(workdir, 'replaced')
-  assert sorted(os.listdir(replaced)) == ['checkpoints', 'metrics.jsonl', 'sample_ids']
+  assert sorted(os.listdir(replaced)) == ['.pipejax-replaced', 'checkpoints', 'metrics.jsonl',
+                                          'sample_ids']
   assert sorted(os.listdir(os.path.join(replaced, 'sample_ids'))) == [
       'process_0.json', 'process_1.json']
-  assert open(os.path.join(replaced, 'metrics.jsonl')).read() == rows
-  # What the replaced run's checkpoints are: readable where they went.
-  _, meta, _ = checkpoints.Checkpoints(replaced).restore(_abstract)
+  _, meta, _ = checkpoints.Checkpoints(replaced).restore(_abstract)  # readable where it went
   assert meta == {'n': 1}
-  # A new run that failed before its first checkpoint left a row: that goes.
+  # What a failed new run left (a row, an unfinished save) goes; the rest comes back.
   reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 9.0})
-  with pytest.raises(elastic.ConfigError, match=r'replaced holds the outputs of a run that '
-                                                r'--config.resume=False replaced'):
-    elastic._refuse_replaced(workdir)
+  os.makedirs(os.path.join(workdir, 'checkpoints', '5.orbax-checkpoint-tmp-1'))
+  elastic._put_back(workdir)
+  assert {n: open(os.path.join(workdir, n), 'rb').read() for n in _tree(workdir)
+          if os.path.isfile(os.path.join(workdir, n))} == original
+  assert not os.path.exists(replaced)
+  # Started over again while replaced/ holds a run: it stays, the later run's row goes.
   elastic._start_over(workdir)
+  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 9.0})
+  assert elastic._start_over(workdir) is True
   assert sorted(os.listdir(workdir)) == ['notes.txt', 'replaced', 'sample_ids']
   assert open(os.path.join(replaced, 'metrics.jsonl')).read() == rows
   elastic._drop_replaced(workdir)
   assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
-  elastic._refuse_replaced(workdir)
+  elastic._put_back(workdir)  # nothing to put back
+  assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
+  # Another program's replaced/ (no mark): refused before anything moves, never removed.
+  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
+  os.makedirs(replaced)
+  with open(os.path.join(replaced, 'theirs.txt'), 'w') as f:
+    f.write('theirs')
+  before = _tree(workdir)
+  with pytest.raises(elastic.ConfigError, match=r"replaced is not pipejax's .*: move it out of"):
+    elastic._start_over(workdir)
+  elastic._drop_replaced(workdir)
+  elastic._put_back(workdir)
+  assert _tree(workdir) == before
 
 
 def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_path,
                                                                           monkeypatch):
-  """A finished run, started over with a setting that no check refuses and
-  whose first loss is NaN: its outputs wait in ``replaced/``; the same
-  command without --config.resume=False is refused (it would start afresh
-  and drop them); a start over that trains removes them at its first
-  checkpoint."""
+  """A finished run, started over with a setting that no check refuses
+  (its first loss NaN), or whose first checkpoint cannot be written, or that
+  is killed before it: the finished run's outputs come back, and the same
+  command without --config.resume=False finds it finished. A start over that
+  trains removes them once its first checkpoint is on disk, not before."""
   workdir = str(tmp_path / 'run')
   profile = str(tmp_path / 'p.json')
   elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
-  before = {name: open(os.path.join(workdir, name), 'rb').read()
-            for name in ('metrics.jsonl', 'summary.json')}
+  outputs = ('metrics.jsonl', 'summary.json', 'summary.png')
+  before = {name: open(os.path.join(workdir, name), 'rb').read() for name in outputs}
+  steps = os.listdir(os.path.join(workdir, 'checkpoints'))
+
+  def unchanged():
+    return ({name: open(os.path.join(workdir, name), 'rb').read() for name in outputs} == before
+            and os.listdir(os.path.join(workdir, 'checkpoints')) == steps
+            and not os.path.exists(os.path.join(workdir, 'replaced')))
 
   def diverges(self, *args, **kwargs):
     raise trainer_lib.LossNotFinite(float('nan'), 0, 1)
@@ -521,14 +553,43 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
     patched.setattr(trainer_lib.Trainer, 'run', diverges)
     with pytest.raises(elastic.TrainingDiverged, match='Last good checkpoint: none'):
       elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
-  replaced = os.path.join(workdir, 'replaced')
-  assert {name: open(os.path.join(replaced, name), 'rb').read() for name in before} == before
-  assert os.listdir(os.path.join(replaced, 'checkpoints')) == ['3']
-  with pytest.raises(elastic.ConfigError, match='move them back into'):
-    elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
-  assert os.path.isdir(replaced)
-  elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
-  assert not os.path.exists(replaced) and len(_rows(workdir)) == 1
+  assert unchanged()
+  seen = []
+
+  def full_disk(self, step, state, meta, wait=False):
+    seen.append((os.path.isdir(os.path.join(workdir, 'replaced')), wait))
+    raise checkpoints.CheckpointError(f'writing the checkpoint of step {step} failed '
+                                      f'([Errno 28] No space left on device)')
+
+  with monkeypatch.context() as patched:
+    patched.setattr(checkpoints.Checkpoints, 'save', full_disk)
+    with pytest.raises(checkpoints.CheckpointError, match='No space left'):
+      elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  assert seen == [(True, True)] and unchanged()  # the first save waits for the disk
+  # Killed before its first checkpoint: the next run puts the replaced one back.
+  assert elastic._start_over(workdir) is True
+  assert elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')[
+      'final_eval_accuracy'] == json.loads(before['summary.json'])['final_eval_accuracy']
+  assert unchanged()
+  drops = []
+  real_drop = elastic._drop_replaced
+  with monkeypatch.context() as patched:
+    patched.setattr(elastic, '_drop_replaced', lambda w: drops.append(
+        sorted(os.listdir(os.path.join(w, 'checkpoints')))) or real_drop(w))
+    elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  assert drops == [['3']]  # once, with the new run's checkpoint on disk
+  assert not os.path.exists(os.path.join(workdir, 'replaced')) and len(_rows(workdir)) == 1
+  # Without checkpoints, the replaced run goes once the new one has finished.
+  with monkeypatch.context() as patched:
+    patched.setattr(trainer_lib.Trainer, 'run', diverges)
+    with pytest.raises(elastic.TrainingDiverged):
+      elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False,
+                                      'checkpoint.enabled': False}), workdir, task='vit')
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['3']  # put back
+  elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False,
+                                  'checkpoint.enabled': False}), workdir, task='vit')
+  assert not os.path.exists(os.path.join(workdir, 'replaced'))
+  assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
 
 
 def test_the_interrupted_line_says_what_resumes_the_run():
