@@ -40,6 +40,8 @@ def setup(cpu_devices: int = 8) -> None:
   # A process that configured JAX's cache itself (a test session, a notebook
   # that imports an entry point) keeps its own settings.
   if cache and not jax.config.jax_compilation_cache_dir:
+    if '://' not in cache:
+      cache = os.path.expanduser(cache)  # JAX would make a folder named '~'
     jax.config.update('jax_compilation_cache_dir', cache)
     # Every program, however fast it compiles: an elastic run has a handful
     # per transition (step, move, prefix, advance, portable state) that each
@@ -64,7 +66,11 @@ def _bound_compilation_cache(jax, directory: str) -> None:
   (pipejax before the bound, or another tool) did not write: those programs
   get one, their file's modification time, or every later write would fail
   with a warning. A bad value is a one-line error (exit 2)."""
-  if 'JAX_COMPILATION_CACHE_MAX_SIZE' in os.environ or '://' in directory:
+  if '://' in directory:
+    return
+  if 'JAX_COMPILATION_CACHE_MAX_SIZE' in os.environ:
+    if jax.config.jax_compilation_cache_max_size != -1:
+      _backfill_access_times(directory)  # JAX's bound needs them as much as ours
     return
   text = os.environ.get('PIPEJAX_COMPILATION_CACHE_MB', '')
   try:
@@ -76,21 +82,36 @@ def _bound_compilation_cache(jax, directory: str) -> None:
           f'(to turn the cache off: PIPEJAX_COMPILATION_CACHE=)', file=sys.stderr, flush=True)
     raise SystemExit(2)
   if importlib.util.find_spec('filelock') is None:  # JAX's eviction locks the folder with it
+    print(f'pipejax: the compilation cache {directory} stays unbounded: the filelock '
+          f'package is missing (pip install -r requirements.txt)', file=sys.stderr, flush=True)
     return
-  directory = os.path.expanduser(directory)
+  if _backfill_access_times(directory):
+    jax.config.update('jax_compilation_cache_max_size', int(megabytes * 2 ** 20))
+
+
+def _backfill_access_times(directory: str) -> bool:
+  """Writes the ``<key>-atime`` file that JAX's eviction reads beside each
+  ``<key>-cache`` of ``directory`` that has none (the file's modification
+  time); False where the folder cannot be made or listed (JAX says so itself
+  when it writes there). An entry that goes meanwhile (another process's
+  eviction) is skipped."""
   try:
     os.makedirs(directory, exist_ok=True)
-    for name in os.listdir(directory):
-      if not name.endswith('-cache'):
-        continue
-      atime = os.path.join(directory, name[:-len('-cache')] + '-atime')
+    names = os.listdir(directory)
+  except OSError:
+    return False
+  for name in names:
+    if not name.endswith('-cache'):
+      continue
+    atime = os.path.join(directory, name[:-len('-cache')] + '-atime')
+    try:
       if not os.path.exists(atime):
         stamp = os.stat(os.path.join(directory, name)).st_mtime_ns
         with open(atime, 'wb') as f:
           f.write(stamp.to_bytes(8, 'little'))
-  except OSError:
-    return  # an unwritable folder: JAX says so itself when it writes there
-  jax.config.update('jax_compilation_cache_max_size', int(megabytes * 2 ** 20))
+    except OSError:
+      continue
+  return True
 
 
 def _quiet_orbax_tmp_metadata(record) -> bool:

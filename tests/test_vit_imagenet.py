@@ -592,7 +592,8 @@ def test_the_compilation_cache_is_bounded_and_keeps_earlier_entries_usable(tmp_p
 
   def run(**more):
     return subprocess.run([sys.executable, '-c', _BOUNDED_CACHE, str(cache)], env={**env, **more},
-                          capture_output=True, text=True, timeout=300, check=False)
+                          capture_output=True, text=True, timeout=300, check=False,
+                          cwd=str(tmp_path))
 
   done = run()
   assert done.returncode == 0, done.stderr[-2000:]
@@ -607,6 +608,20 @@ def test_the_compilation_cache_is_bounded_and_keeps_earlier_entries_usable(tmp_p
   assert run(PIPEJAX_COMPILATION_CACHE_MB='1024').stdout.splitlines()[0] == str(2 ** 30)
   assert run(PIPEJAX_COMPILATION_CACHE_MB='').stdout.splitlines()[0] == str(2 ** 31)
   assert run(JAX_COMPILATION_CACHE_MAX_SIZE='-1').stdout.splitlines()[0] == '-1'
+  # JAX's own bound needs the access times as much: an old entry gets one too.
+  for name in os.listdir(cache):
+    os.remove(cache / name)
+  (cache / 'older-cache').write_bytes(b'x' * 2 ** 19)
+  os.utime(cache / 'older-cache', (1e9, 1e9))
+  theirs = run(JAX_COMPILATION_CACHE_MAX_SIZE=str(2 ** 19 + 1000))
+  assert theirs.returncode == 0, theirs.stderr[-2000:]
+  assert theirs.stdout.splitlines()[0] == str(2 ** 19 + 1000)
+  assert 'older-cache' not in os.listdir(cache)
+  # A '~' in the folder is the home folder, not a folder named '~'.
+  home = tmp_path / 'home'
+  tilde = run(PIPEJAX_COMPILATION_CACHE='~/jaxc', HOME=str(home))
+  assert tilde.returncode == 0, tilde.stderr[-2000:]
+  assert any(n.endswith('-cache') for n in os.listdir(home / 'jaxc'))
   for bad in ('0', 'lots', 'nan'):
     refused = run(PIPEJAX_COMPILATION_CACHE_MB=bad)
     assert refused.returncode == 2 and refused.stdout == ''
