@@ -230,7 +230,8 @@ def resolve_data(config, task: str = 'vit'):
 RUN_FILES = ('metrics.jsonl', 'summary.json', 'summary.png')
 SAMPLE_IDS = 'sample_ids'  # process_<i>.json of each process of a sharded run
 REPLACED = 'replaced'  # a run's outputs that --config.resume=False moved aside (_start_over)
-_REPLACED_MARK = '.pipejax-replaced'  # in REPLACED: made by _start_over
+_REPLACED_MARK = '.pipejax-replaced'  # in REPLACED: made by _start_over, names the phase
+_REPLACED_PHASES = ('moving', 'replaced', 'clearing', 'returning')
 LOCK_FILE = '.lock'  # held by the run writing the workdir (lock_workdir)
 
 
@@ -467,123 +468,182 @@ def _progress(epoch: int, total: int):
     bar.close()
 
 
-def _all_processes_here() -> None:
+def _all_processes_here(value: float = 0.0) -> float:
   """With several processes, returns once every process has called it (what
-  process 0 did to the workdir's files before is then done for all)."""
+  process 0 did to the workdir's files before is then done for all), with
+  process 0's ``value``: every process then decides the same."""
   if jax.process_count() > 1:
-    distributed.gather_exact(np.zeros(1))
+    return float(distributed.gather_exact([value])[0, 0])
+  return value
 
 
-def _replaced(workdir: str) -> str | None:
-  """``workdir/replaced`` where :func:`_start_over` made it (its mark
-  inside), else None."""
+def _replaced(workdir: str) -> tuple[str, str] | None:
+  """``(workdir/replaced, its phase)`` where :func:`_start_over` made it (its
+  mark inside names the phase), else None. Phases: ``moving`` (the old run's
+  outputs going in), ``replaced`` (all in), ``clearing`` (the new run's
+  outputs being removed to put them back), ``returning`` (going back)."""
   path = os.path.join(workdir, REPLACED)
-  return path if os.path.isfile(os.path.join(path, _REPLACED_MARK)) else None
+  try:
+    with open(os.path.join(path, _REPLACED_MARK), encoding='utf-8') as f:
+      phase = f.read().strip()
+  except (OSError, ValueError):
+    return None
+  return path, phase if phase in _REPLACED_PHASES else 'replaced'
+
+
+def _set_phase(replaced: str, phase: str) -> None:
+  diskcache.write_atomic(os.path.join(replaced, _REPLACED_MARK), lambda f: f.write(phase))
+
+
+def _outputs(workdir: str) -> list[str]:
+  """A run's outputs in ``workdir``, relative: its run files, its processes'
+  sample-ID records and its checkpoints (steps, set aside, unfinished)."""
+  found = [name for name in RUN_FILES if os.path.isfile(os.path.join(workdir, name))]
+  ids = os.path.join(workdir, SAMPLE_IDS)
+  if os.path.isdir(ids):
+    found += [os.path.join(SAMPLE_IDS, n) for n in sorted(os.listdir(ids))
+              if re.fullmatch(r'process_\d+\.json', n)]
+  return found + [os.path.join('checkpoints', n) for n in checkpoints.own_entries(workdir)]
+
+
+def _has_checkpoint(workdir: str) -> bool:
+  """Whether ``workdir`` holds a finished checkpoint (a step with both items)."""
+  folder = os.path.join(workdir, 'checkpoints')
+  return any(name.isdigit() and all(os.path.isdir(os.path.join(folder, name, item))
+                                    for item in checkpoints.ITEMS)
+             for name in checkpoints.own_entries(workdir))
+
+
+def _move(names: list[str], source: str, target: str | None) -> None:
+  """Moves ``names`` (relative paths) from ``source`` to ``target``, then
+  the run's folders that this emptied; with ``target`` None removes them and
+  keeps the folders (an orbax thread of the run just closed may still look
+  at ``checkpoints/``)."""
+  for name in names:
+    path = os.path.join(source, name)
+    if target is None:
+      if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+      else:
+        os.remove(path)
+    else:
+      os.makedirs(os.path.dirname(os.path.join(target, name)), exist_ok=True)
+      os.replace(path, os.path.join(target, name))
+  for sub in (SAMPLE_IDS, 'checkpoints') if target is not None else ():
+    try:
+      os.rmdir(os.path.join(source, sub))
+    except OSError:
+      pass  # not empty (the user's files stay), or none
 
 
 def _start_over(workdir: str) -> bool:
-  """Moves a previous run's outputs (its run files, sample-ID records and
-  checkpoints) out of ``workdir`` for ``--config.resume=False``, into
-  ``workdir/replaced``: :func:`_drop_replaced` removes them once the new run
-  has a finished checkpoint, and :func:`_put_back` returns them where it
-  fails before (a value no check refuses, which makes the first loss NaN).
-  Where ``replaced`` already holds a run's outputs (a start over killed
-  before either), they stay and what that run left is removed. Refuses,
-  moving nothing, a checkpoint folder or a ``replaced`` of another program's.
-  Returns whether ``replaced`` holds outputs the new run replaces (on
-  process 0, the one that moves files)."""
+  """Moves a previous run's outputs (:func:`_outputs`) out of ``workdir``
+  for ``--config.resume=False``, into ``workdir/replaced``:
+  :func:`_drop_replaced` removes them once the new run has a finished
+  checkpoint, and :func:`_recover` puts them back where it fails before (a
+  value no check refuses, which makes the first loss NaN). The moves are
+  journaled (:func:`_replaced`'s phases), so that a kill at any point loses
+  nothing. Where ``replaced`` already holds a run's outputs (a start over
+  killed before its first checkpoint), they stay and what the killed run
+  left is removed. Refuses, moving nothing, a checkpoint folder or a
+  ``replaced`` of another program's. Process 0 alone looks and moves (call
+  :func:`_recover` first); returns whether ``replaced`` holds outputs that
+  the new run replaces."""
+  if jax.process_index() != 0:
+    return False
   checkpoints.check_own(workdir)
   replaced = os.path.join(workdir, REPLACED)
-  if os.path.lexists(replaced) and _replaced(workdir) is None:
+  state = _replaced(workdir)
+  if os.path.lexists(replaced) and state is None:
     raise ConfigError(f'{replaced} is not pipejax\'s (starting over moves the run\'s outputs '
                       f'there): move it out of {workdir}, or use another --workdir')
-  moved = [name for name in RUN_FILES if os.path.exists(os.path.join(workdir, name))]
-  ids = os.path.join(workdir, SAMPLE_IDS)
-  served = sorted(n for n in (os.listdir(ids) if os.path.isdir(ids) else ())
-                  if re.fullmatch(r'process_\d+\.json', n))
-  if served:
-    moved.append(f'{SAMPLE_IDS}/')
-  if checkpoints.own_entries(workdir):
-    moved.append('its checkpoints')
-  keep = _replaced(workdir) is None  # else it holds the outputs worth keeping
-  if not moved or jax.process_index() != 0:
-    return not keep
-  if keep:
-    os.makedirs(replaced)
-    with open(os.path.join(replaced, _REPLACED_MARK), 'w', encoding='utf-8') as f:
-      f.write('the outputs of a run that --config.resume=False replaced\n')
-
-  def away(path, *under):
-    if keep:
-      os.makedirs(os.path.join(replaced, *under), exist_ok=True)
-      os.replace(path, os.path.join(replaced, *under, os.path.basename(path)))
-    else:
-      os.remove(path)
-
-  for name in moved:
-    if name in RUN_FILES:
-      away(os.path.join(workdir, name))
-  for name in served:  # the run's own records; anything else there stays
-    away(os.path.join(ids, name), SAMPLE_IDS)
-  if served and not os.listdir(ids):
-    os.rmdir(ids)
-  checkpoints.clear(workdir, into=replaced if keep else None)
-  _log(f'starting over in {workdir} (--config.resume=False): ' + (
-      f'moved {", ".join(moved)} to {replaced}, removed once this run has a checkpoint' if keep
-      else f'removed {", ".join(moved)} of a run that ended before its first checkpoint; '
-           f'{replaced} keeps the outputs it replaced'))
+  outputs = _outputs(workdir)
+  if not outputs:
+    return state is not None
+  shown = sorted({name.split(os.sep)[0] for name in outputs})
+  if state is not None:  # the killed run's: no checkpoint (_recover dropped them otherwise)
+    _move(outputs, workdir, None)
+    _log(f'starting over in {workdir} (--config.resume=False): removed {", ".join(shown)} of '
+         f'a run that ended before its first checkpoint; {replaced} keeps the outputs it '
+         f'replaced')
+    return True
+  fresh = os.path.join(workdir, f'.{REPLACED}.new-{time.time_ns()}')
+  os.makedirs(fresh)
+  _set_phase(fresh, 'moving')
+  os.rename(fresh, replaced)  # appears marked, or not at all
+  _move(outputs, workdir, replaced)
+  _set_phase(replaced, 'replaced')
+  _log(f'starting over in {workdir} (--config.resume=False): moved {", ".join(shown)} to '
+       f'{replaced}, removed once this run has a checkpoint')
   return True
 
 
 def _drop_replaced(workdir: str) -> None:
   """Removes ``workdir/replaced`` (:func:`_start_over`): the new run has a
   finished checkpoint (or, without checkpoints, has finished). Renamed
-  first, so that a removal that fails halfway leaves no ``replaced`` that
-  would be put back."""
-  replaced = _replaced(workdir)
-  if replaced is None or jax.process_index() != 0:
+  first: a removal that fails or is killed halfway leaves a folder that the
+  next run sweeps (:func:`_recover`), never a ``replaced`` to put back."""
+  state = _replaced(workdir)
+  if state is None or jax.process_index() != 0:
     return
-  doomed = os.path.join(workdir, f'.{REPLACED}.removing-{os.getpid()}')
+  doomed = os.path.join(workdir, f'.{REPLACED}.removing-{time.time_ns()}')
   try:
-    os.replace(replaced, doomed)
+    os.rename(state[0], doomed)
+  except OSError as e:  # kept: the next run drops it (this run has a checkpoint)
+    _log(f'could not remove {state[0]}, the outputs of the run this one replaced ({e})')
+    return
+  try:
     shutil.rmtree(doomed)
   except OSError as e:
-    _log(f'could not remove {replaced}, the outputs of the run this one replaced ({e}); '
-         f'remove it by hand')
+    _log(f'could not remove {doomed}, the outputs of the run this one replaced ({e}); the '
+         f'next run tries again')
     return
-  _log(f'removed {replaced}: the outputs of the run that this one replaced')
+  _log(f'removed {state[0]}: the outputs of the run that this one replaced')
 
 
-def _put_back(workdir: str) -> None:
-  """Returns the outputs in ``workdir/replaced`` (:func:`_start_over`) to
-  ``workdir``, removing what the run that replaced them left (it ended
-  before its first checkpoint): the workdir is as before the start over."""
-  replaced = _replaced(workdir)
-  if replaced is None or jax.process_index() != 0:
+def _recover(workdir: str, resume_: bool = True) -> None:
+  """Settles what a start over left in ``workdir`` (process 0; see
+  :func:`_start_over`), before anything else reads the workdir:
+
+  - a move stopped halfway (``moving``, ``returning``) is undone or
+    finished: the old run's outputs return, nothing is removed;
+  - with a finished checkpoint in the workdir, the run that replaced them
+    reached it: ``replaced`` is dropped (a removal that failed or was killed);
+  - otherwise the run that replaced them ended before its first checkpoint:
+    with ``resume_`` they are put back (``clearing``: the later run's outputs
+    removed; ``returning``: the old ones moved back); without, they stay for
+    :func:`_start_over`.
+
+  Folders of removals killed halfway are swept first."""
+  if jax.process_index() != 0:
+    return
+  for name in os.listdir(workdir):
+    if name.startswith((f'.{REPLACED}.removing-', f'.{REPLACED}.new-')):
+      shutil.rmtree(os.path.join(workdir, name), ignore_errors=True)
+  state = _replaced(workdir)
+  if state is None:
+    return
+  replaced, phase = state
+  if phase == 'replaced' and _has_checkpoint(workdir):
+    _drop_replaced(workdir)
+    return
+  if phase == 'replaced' and not resume_:
     return
   try:
-    for name in RUN_FILES:
-      if os.path.exists(os.path.join(workdir, name)):
-        os.remove(os.path.join(workdir, name))
-    checkpoints.clear(workdir)  # what the failed run began to save
-    for sub in ('', SAMPLE_IDS, 'checkpoints'):
-      source = os.path.join(replaced, sub)
-      if sub and not os.path.isdir(source):
-        continue
-      for name in os.listdir(source):
-        if sub or name in RUN_FILES:
-          os.makedirs(os.path.join(workdir, sub), exist_ok=True)
-          os.replace(os.path.join(source, name), os.path.join(workdir, sub, name))
-      if sub:
-        os.rmdir(source)
+    if phase in ('replaced', 'clearing'):
+      _set_phase(replaced, 'clearing')
+      _move(_outputs(workdir), workdir, None)  # the later run's: no checkpoint finished
+      _set_phase(replaced, 'returning')
+    _move(_outputs(replaced), replaced, workdir)
     os.remove(os.path.join(replaced, _REPLACED_MARK))
     os.rmdir(replaced)
   except (OSError, checkpoints.CheckpointError) as e:
-    _log(f'could not put the outputs in {replaced} back into {workdir} ({e}); move them '
-         f'back by hand')
-    return
-  _log(f'the outputs of the run that --config.resume=False replaced are back in {workdir}: '
-       f'the run that replaced them ended before its first checkpoint')
+    raise ConfigError(f'cannot put the outputs in {replaced} back into {workdir} ({e}); '
+                      f'move them back by hand') from e
+  _log(f'the outputs of the run that --config.resume=False replaced are back in {workdir}: ' + (
+      'that start over was stopped while it moved them' if phase == 'moving' else
+      'the run that replaced them ended before its first checkpoint'))
+
 
 def _summary_epochs(summary: dict | None) -> int | None:
   """The epochs a finished run's ``summary.json`` was written for (None
@@ -755,6 +815,9 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     workdir = _fresh_workdir(task)
   check_workdir(workdir, config.checkpoint.enabled)
   lock_workdir(workdir, held, _log)
+  # What a start over left: before anything reads the workdir's outputs.
+  _recover(workdir, config.resume)
+  _all_processes_here()
   if distributed.is_main_process():  # the one writer of the run's files
     # left by a killed write of one of them; the user's files stay
     diskcache.remove_stale_tmp(workdir, of=RUN_FILES)
@@ -781,11 +844,6 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     return (checkpoints.Checkpoints(workdir, config.checkpoint.keep)
             if config.checkpoint.enabled else None)
 
-  if config.resume:
-    # A start over killed before its first checkpoint: the run it replaced is
-    # the run in this workdir.
-    _put_back(workdir)
-    _all_processes_here()
   ckpt = open_checkpoints() if config.resume else None
   replacing = [False]  # outputs of a replaced run wait in workdir/replaced
 
@@ -815,8 +873,8 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
       if latest is not None:
         trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
       if not config.resume:
-        replacing[0] = _start_over(workdir)
-        _all_processes_here()  # before any process's orbax lists the steps
+        # Process 0 moves; the others wait before their orbax lists the steps.
+        replacing[0] = bool(_all_processes_here(float(_start_over(workdir))))
         ckpt = open_checkpoints()
       else:
         _resume(workdir, trainer, ckpt, ident)
@@ -866,8 +924,10 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
       if ckpt is not None:
         ckpt.close()
     finally:
-      if replacing[0] and not trained:  # failed or stopped before its first checkpoint
-        _put_back(workdir)
+      if replacing[0] and not trained:
+        # Failed or stopped: before its first checkpoint, the replaced run comes
+        # back; after it (a save on disk that raised later), it goes.
+        _recover(workdir)
       elif replacing[0]:  # trained to the end without checkpoints
         _drop_replaced(workdir)
   if isinstance(train_loader, ShardedLoader):

@@ -464,15 +464,20 @@ def _tree(root):
                 for folder, dirs, files in os.walk(root) for n in dirs + files)
 
 
-def test_starting_over_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
-  """--config.resume=False: the run files, the processes' sample-ID records and
-  the checkpoints move to ``replaced/``; a file of the user's, in the workdir
-  or beside the records, stays. Put back, the workdir is as it was. Started
-  over again while ``replaced/`` holds them (a start over killed before its
-  first checkpoint), they stay there and what that run left goes; dropped,
-  the folder is gone. A ``replaced`` folder pipejax did not make is refused,
-  untouched."""
-  workdir = str(tmp_path / 'run')
+class _Killed(BaseException):
+  """A kill, as far as the code under test can tell: nothing catches it."""
+
+
+def _files(root):
+  """Every path under ``root`` with its bytes (None: a folder), but the
+  workdir's lock (it names the process that holds it)."""
+  return {name: (open(os.path.join(root, name), 'rb').read()
+                 if os.path.isfile(os.path.join(root, name)) else None) for name in _tree(root)
+          if name != elastic.LOCK_FILE}
+
+
+def _finished_run(workdir):
+  """A run's outputs (rows, sample IDs, a checkpoint) beside the user's files."""
   os.makedirs(workdir)
   reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
   os.makedirs(os.path.join(workdir, 'sample_ids'))
@@ -484,8 +489,25 @@ def test_starting_over_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
   ckpt = checkpoints.Checkpoints(workdir)
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
   ckpt.close()
-  original = {n: open(os.path.join(workdir, n), 'rb').read() for n in _tree(workdir)
-              if os.path.isfile(os.path.join(workdir, n))}
+
+
+def _leftovers(workdir):
+  """What a start over's run left before its first checkpoint finished."""
+  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 9.0})
+  os.makedirs(os.path.join(workdir, 'checkpoints', '5.orbax-checkpoint-tmp-1'))
+
+
+def test_starting_over_moves_the_runs_outputs_aside_and_back(tmp_path):
+  """--config.resume=False: the run files, the processes' sample-ID records and
+  the checkpoints move to ``replaced/``; a file of the user's, in the workdir
+  or beside the records, stays. Put back (the new run ended before its first
+  checkpoint), the workdir is as it was, its later run's leftovers gone.
+  Started over again while ``replaced/`` holds them (a kill), they stay and
+  the leftovers go. With a finished checkpoint of the later run, they are
+  dropped instead. A ``replaced`` of another program's is refused, untouched."""
+  workdir = str(tmp_path / 'run')
+  _finished_run(workdir)
+  original = _files(workdir)
   rows = open(os.path.join(workdir, 'metrics.jsonl')).read()
   assert elastic._start_over(workdir) is True
   assert sorted(os.listdir(workdir)) == ['notes.txt', 'replaced', 'sample_ids']
@@ -493,38 +515,80 @@ def test_starting_over_moves_the_runs_outputs_aside_and_nothing_else(tmp_path):
   replaced = os.path.join(workdir, 'replaced')
   assert sorted(os.listdir(replaced)) == ['.pipejax-replaced', 'checkpoints', 'metrics.jsonl',
                                           'sample_ids']
-  assert sorted(os.listdir(os.path.join(replaced, 'sample_ids'))) == [
-      'process_0.json', 'process_1.json']
+  assert elastic._replaced(workdir) == (replaced, 'replaced')
   _, meta, _ = checkpoints.Checkpoints(replaced).restore(_abstract)  # readable where it went
   assert meta == {'n': 1}
-  # What a failed new run left (a row, an unfinished save) goes; the rest comes back.
-  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 9.0})
-  os.makedirs(os.path.join(workdir, 'checkpoints', '5.orbax-checkpoint-tmp-1'))
-  elastic._put_back(workdir)
-  assert {n: open(os.path.join(workdir, n), 'rb').read() for n in _tree(workdir)
-          if os.path.isfile(os.path.join(workdir, n))} == original
-  assert not os.path.exists(replaced)
-  # Started over again while replaced/ holds a run: it stays, the later run's row goes.
+  _leftovers(workdir)
+  elastic._recover(workdir, False)  # starting over again: settled by _start_over
+  assert elastic._replaced(workdir) == (replaced, 'replaced')
+  elastic._recover(workdir)
+  assert _files(workdir) == original
+  # Started over again while replaced/ holds a run: it stays, the later run's leftovers go.
   elastic._start_over(workdir)
-  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 9.0})
+  _leftovers(workdir)
   assert elastic._start_over(workdir) is True
-  assert sorted(os.listdir(workdir)) == ['notes.txt', 'replaced', 'sample_ids']
+  assert sorted(os.listdir(workdir)) == ['checkpoints', 'notes.txt', 'replaced', 'sample_ids']
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == []
   assert open(os.path.join(replaced, 'metrics.jsonl')).read() == rows
-  elastic._drop_replaced(workdir)
-  assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
-  elastic._put_back(workdir)  # nothing to put back
-  assert sorted(os.listdir(workdir)) == ['notes.txt', 'sample_ids']
+  # The later run finished a checkpoint (its removal of replaced/ was killed): dropped.
+  later = checkpoints.Checkpoints(workdir)
+  later.save(2, _tiny_state(2.0), {'n': 2}, wait=True)
+  later.close()
+  os.makedirs(os.path.join(workdir, '.replaced.removing-7'))  # a removal killed halfway
+  elastic._recover(workdir)
+  assert sorted(os.listdir(workdir)) == ['checkpoints', 'notes.txt', 'sample_ids']
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['2']
   # Another program's replaced/ (no mark): refused before anything moves, never removed.
-  reporting.MetricsLog(workdir).append({'epoch': 0, 'train_loss': 1.0})
   os.makedirs(replaced)
   with open(os.path.join(replaced, 'theirs.txt'), 'w') as f:
     f.write('theirs')
-  before = _tree(workdir)
+  before = _files(workdir)
   with pytest.raises(elastic.ConfigError, match=r"replaced is not pipejax's .*: move it out of"):
     elastic._start_over(workdir)
   elastic._drop_replaced(workdir)
-  elastic._put_back(workdir)
-  assert _tree(workdir) == before
+  elastic._recover(workdir)
+  assert _files(workdir) == before
+
+
+def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, monkeypatch):
+  """The moves are journaled: a kill after any one of them, starting over or
+  putting back, leaves what the next run's recovery puts together again."""
+  workdir = str(tmp_path / 'run')
+  _finished_run(workdir)
+  original = _files(workdir)
+  real_replace = os.replace
+
+  def killed_at(k):
+    calls = []
+
+    def replace(*args):
+      calls.append(args)
+      if len(calls) == k:
+        raise _Killed()
+      return real_replace(*args)
+    return replace
+
+  for k in range(1, 9):
+    with monkeypatch.context() as patched:  # killed while starting over
+      patched.setattr(os, 'replace', killed_at(k))
+      try:
+        elastic._start_over(workdir)
+      except _Killed:
+        pass
+    if elastic._replaced(workdir) == (os.path.join(workdir, 'replaced'), 'replaced'):
+      _leftovers(workdir)  # it completed: its run began
+    elastic._recover(workdir)
+    assert _files(workdir) == original, k
+    elastic._start_over(workdir)
+    _leftovers(workdir)
+    with monkeypatch.context() as patched:  # killed while putting back
+      patched.setattr(os, 'replace', killed_at(k))
+      try:
+        elastic._recover(workdir)
+      except _Killed:
+        pass
+    elastic._recover(workdir)
+    assert _files(workdir) == original, k
 
 
 def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_path,
@@ -533,18 +597,12 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
   (its first loss NaN), or whose first checkpoint cannot be written, or that
   is killed before it: the finished run's outputs come back, and the same
   command without --config.resume=False finds it finished. A start over that
-  trains removes them once its first checkpoint is on disk, not before."""
+  trains removes them once its first checkpoint is on disk, not before; a
+  first checkpoint on disk whose save then raised keeps the new run."""
   workdir = str(tmp_path / 'run')
   profile = str(tmp_path / 'p.json')
   elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
-  outputs = ('metrics.jsonl', 'summary.json', 'summary.png')
-  before = {name: open(os.path.join(workdir, name), 'rb').read() for name in outputs}
-  steps = os.listdir(os.path.join(workdir, 'checkpoints'))
-
-  def unchanged():
-    return ({name: open(os.path.join(workdir, name), 'rb').read() for name in outputs} == before
-            and os.listdir(os.path.join(workdir, 'checkpoints')) == steps
-            and not os.path.exists(os.path.join(workdir, 'replaced')))
+  original = _files(workdir)
 
   def diverges(self, *args, **kwargs):
     raise trainer_lib.LossNotFinite(float('nan'), 0, 1)
@@ -553,7 +611,7 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
     patched.setattr(trainer_lib.Trainer, 'run', diverges)
     with pytest.raises(elastic.TrainingDiverged, match='Last good checkpoint: none'):
       elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
-  assert unchanged()
+  assert _files(workdir) == original
   seen = []
 
   def full_disk(self, step, state, meta, wait=False):
@@ -565,20 +623,44 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
     patched.setattr(checkpoints.Checkpoints, 'save', full_disk)
     with pytest.raises(checkpoints.CheckpointError, match='No space left'):
       elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
-  assert seen == [(True, True)] and unchanged()  # the first save waits for the disk
+  assert seen == [(True, True)] and _files(workdir) == original  # the first save waits
   # Killed before its first checkpoint: the next run puts the replaced one back.
   assert elastic._start_over(workdir) is True
-  assert elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')[
-      'final_eval_accuracy'] == json.loads(before['summary.json'])['final_eval_accuracy']
-  assert unchanged()
+  _leftovers(workdir)
+  finished = elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
+  assert finished['final_eval_accuracy'] == json.loads(original['summary.json'])[
+      'final_eval_accuracy'] and _files(workdir) == original
+  # A first checkpoint on disk whose save raised after: the new run's, kept.
+  real_save = checkpoints.Checkpoints.save
+
+  def saved_then_failed(self, step, state, meta, wait=False):
+    real_save(self, step, state, meta, wait=True)
+    raise checkpoints.CheckpointError('failed after the write')
+
+  with monkeypatch.context() as patched:
+    patched.setattr(checkpoints.Checkpoints, 'save', saved_then_failed)
+    with pytest.raises(checkpoints.CheckpointError, match='after the write'):
+      elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  assert not os.path.exists(os.path.join(workdir, 'replaced'))
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['3']
+  assert not os.path.exists(os.path.join(workdir, 'summary.json'))  # the old run's: gone
+  # The removal happens once, with the new run's checkpoint on disk.
   drops = []
   real_drop = elastic._drop_replaced
   with monkeypatch.context() as patched:
     patched.setattr(elastic, '_drop_replaced', lambda w: drops.append(
         sorted(os.listdir(os.path.join(w, 'checkpoints')))) or real_drop(w))
     elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
-  assert drops == [['3']]  # once, with the new run's checkpoint on disk
+  assert drops == [['3']]
   assert not os.path.exists(os.path.join(workdir, 'replaced')) and len(_rows(workdir)) == 1
+  # Its removal killed: the next run drops it, keeping the run that replaced it.
+  with monkeypatch.context() as patched:
+    patched.setattr(elastic, '_drop_replaced', lambda w: None)
+    elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  newest = _files(workdir)
+  assert os.path.isdir(os.path.join(workdir, 'replaced'))
+  elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')  # nothing to train
+  assert _files(workdir) == {k: v for k, v in newest.items() if not k.startswith('replaced')}
   # Without checkpoints, the replaced run goes once the new one has finished.
   with monkeypatch.context() as patched:
     patched.setattr(trainer_lib.Trainer, 'run', diverges)
