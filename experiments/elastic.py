@@ -586,19 +586,23 @@ def _drop_replaced(workdir: str) -> None:
   state = _replaced(workdir)
   if state is None or jax.process_index() != 0:
     return
+  if _remove_folder(workdir, state[0]):
+    _log(f'removed {state[0]}: the outputs of the run that this one replaced')
+
+
+def _remove_folder(workdir: str, folder: str) -> bool:
+  """Renames ``folder`` to ``.replaced.removing-<ns>`` and removes that:
+  whatever stops it, the next run sweeps what is left (:func:`_recover`).
+  False (said) where the rename fails: the folder is kept, and the next run
+  tries again."""
   doomed = os.path.join(workdir, f'.{REPLACED}.removing-{time.time_ns()}')
   try:
-    os.rename(state[0], doomed)
-  except OSError as e:  # kept: the next run drops it (this run has a checkpoint)
-    _log(f'could not remove {state[0]}, the outputs of the run this one replaced ({e})')
-    return
-  try:
-    shutil.rmtree(doomed)
+    os.rename(folder, doomed)
   except OSError as e:
-    _log(f'could not remove {doomed}, the outputs of the run this one replaced ({e}); the '
-         f'next run tries again')
-    return
-  _log(f'removed {state[0]}: the outputs of the run that this one replaced')
+    _log(f'could not remove {folder} ({e}); the next run tries again')
+    return False
+  shutil.rmtree(doomed, ignore_errors=True)  # what stays is swept by the next run
+  return True
 
 
 def _recover(workdir: str, resume_: bool = True) -> None:
@@ -624,8 +628,13 @@ def _recover(workdir: str, resume_: bool = True) -> None:
   if state is None:
     return
   replaced, phase = state
-  if phase == 'replaced' and _has_checkpoint(workdir):
-    _drop_replaced(workdir)
+  # A finished checkpoint, or (checkpoints off) a summary, is the later run's.
+  if phase == 'replaced' and (_has_checkpoint(workdir) or
+                              os.path.exists(os.path.join(workdir, 'summary.json'))):
+    if not _remove_folder(workdir, replaced):
+      raise ConfigError(f'cannot remove {replaced}, the outputs of a run that a later one '
+                        f'replaced (see above); remove it by hand')
+    _log(f'removed {replaced}: the outputs of a run that the one in {workdir} replaced')
     return
   if phase == 'replaced' and not resume_:
     return
@@ -635,8 +644,7 @@ def _recover(workdir: str, resume_: bool = True) -> None:
       _move(_outputs(workdir), workdir, None)  # the later run's: no checkpoint finished
       _set_phase(replaced, 'returning')
     _move(_outputs(replaced), replaced, workdir)
-    os.remove(os.path.join(replaced, _REPLACED_MARK))
-    os.rmdir(replaced)
+    _remove_folder(workdir, replaced)  # the mark, and a killed write's temporary file
   except (OSError, checkpoints.CheckpointError) as e:
     raise ConfigError(f'cannot put the outputs in {replaced} back into {workdir} ({e}); '
                       f'move them back by hand') from e
@@ -874,7 +882,12 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
         trainer.check_resumable(latest[0])  # before the state is loaded onto the devices
       if not config.resume:
         # Process 0 moves; the others wait before their orbax lists the steps.
-        replacing[0] = bool(_all_processes_here(float(_start_over(workdir))))
+        try:
+          moved = _start_over(workdir)
+        except BaseException:
+          _recover(workdir)  # a move stopped halfway: undone
+          raise
+        replacing[0] = bool(_all_processes_here(float(moved)))
         ckpt = open_checkpoints()
       else:
         _resume(workdir, trainer, ckpt, ident)

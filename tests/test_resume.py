@@ -556,21 +556,25 @@ def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, 
   workdir = str(tmp_path / 'run')
   _finished_run(workdir)
   original = _files(workdir)
-  real_replace = os.replace
+  real = {'replace': os.replace, 'rename': os.rename}
 
-  def killed_at(k):
+  def kill_at(patched, k):
+    """The k-th rename or replace (files, folders, the phase's atomic write) is a kill."""
     calls = []
 
-    def replace(*args):
-      calls.append(args)
-      if len(calls) == k:
-        raise _Killed()
-      return real_replace(*args)
-    return replace
+    def wrapped(name):
+      def call(*args):
+        calls.append(args)
+        if len(calls) == k:
+          raise _Killed()
+        return real[name](*args)
+      return call
+    for name in real:
+      patched.setattr(os, name, wrapped(name))
 
-  for k in range(1, 9):
+  for k in range(1, 11):
     with monkeypatch.context() as patched:  # killed while starting over
-      patched.setattr(os, 'replace', killed_at(k))
+      kill_at(patched, k)
       try:
         elastic._start_over(workdir)
       except _Killed:
@@ -582,7 +586,7 @@ def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, 
     elastic._start_over(workdir)
     _leftovers(workdir)
     with monkeypatch.context() as patched:  # killed while putting back
-      patched.setattr(os, 'replace', killed_at(k))
+      kill_at(patched, k)
       try:
         elastic._recover(workdir)
       except _Killed:
@@ -662,16 +666,25 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
   elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')  # nothing to train
   assert _files(workdir) == {k: v for k, v in newest.items() if not k.startswith('replaced')}
   # Without checkpoints, the replaced run goes once the new one has finished.
+  before = _files(workdir)
+  off = {'train.epochs': 1, 'resume': False, 'checkpoint.enabled': False}
   with monkeypatch.context() as patched:
     patched.setattr(trainer_lib.Trainer, 'run', diverges)
     with pytest.raises(elastic.TrainingDiverged):
-      elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False,
-                                      'checkpoint.enabled': False}), workdir, task='vit')
-  assert os.listdir(os.path.join(workdir, 'checkpoints')) == ['3']  # put back
-  elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False,
-                                  'checkpoint.enabled': False}), workdir, task='vit')
+      elastic.run(_config(profile, **off), workdir, task='vit')
+  assert _files(workdir) == before  # put back
+  elastic.run(_config(profile, **off), workdir, task='vit')
   assert not os.path.exists(os.path.join(workdir, 'replaced'))
   assert not os.path.exists(os.path.join(workdir, 'checkpoints'))
+  # Its removal killed: the finished run's summary keeps it; replaced/ goes.
+  with monkeypatch.context() as patched:
+    patched.setattr(elastic, '_drop_replaced', lambda w: None)
+    elastic.run(_config(profile, **off), workdir, task='vit')
+  newest = _files(workdir)
+  assert os.path.isdir(os.path.join(workdir, 'replaced'))
+  with pytest.raises(elastic.ConfigError, match='checkpoint.enabled=False cannot resume'):
+    elastic.run(_config(profile, **dict(off, resume=True)), workdir, task='vit')
+  assert _files(workdir) == {k: v for k, v in newest.items() if not k.startswith('replaced')}
 
 
 def test_the_interrupted_line_says_what_resumes_the_run():
