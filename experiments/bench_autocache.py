@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax import diskcache
 from pipejax.autocache import ActivationCache
 
@@ -53,12 +54,8 @@ def _epoch(cache, batches, values, work_seconds=0.0):
 
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is written."""
-  for flag in ('batch', 'seq', 'hidden', 'batches'):
-    if getattr(args, flag) < 1:
-      raise ValueError(f'--{flag} must be at least 1, got {getattr(args, flag)}')
-  problem = diskcache.folder_problem(args.workdir)
-  if problem:
-    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
+  check_positive(args, ('batch', 'seq', 'hidden', 'batches'))
+  check_workdir_flag(args.workdir)
 
 
 def main(argv=None) -> int:

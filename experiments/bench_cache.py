@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from pipejax import diskcache
+
 VARIANTS = {
     'always': ['--config.cache.policy=always'],
     'profile': ['--config.cache.policy=profile'],
@@ -51,6 +53,26 @@ def claim_workdir(path: str) -> str | None:
   except OSError as e:
     return f'error: cannot create --workdir={path}: {e.strerror or e}'
   return None
+
+
+def check_positive(args, flags: tuple[str, ...]) -> None:
+  """A benchmark's count flags (argparse names): each at least 1.
+
+  Raises:
+    ValueError: the first that is not, in one line.
+  """
+  for flag in flags:
+    if getattr(args, flag) < 1:
+      raise ValueError(f'--{flag.replace("_", "-")} must be at least 1, '
+                       f'got {getattr(args, flag)}')
+
+
+def check_workdir_flag(workdir: str) -> None:
+  """A benchmark's ``--workdir`` can hold its outputs
+  (:func:`pipejax.diskcache.folder_problem`); else :class:`ValueError`, one line."""
+  problem = diskcache.folder_problem(workdir)
+  if problem:
+    raise ValueError(f'cannot use --workdir={workdir}: {problem}')
 
 
 def freezes_nothing(passthrough: list[str]) -> bool:

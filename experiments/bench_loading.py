@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from experiments import datasets
-from pipejax import diskcache
+from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax.data import TfdsSource, default_workers
 
 SIZE = 224
@@ -70,12 +70,8 @@ def _parse(argv):
 
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is built or written."""
-  for flag in ('images', 'batch', 'rounds'):
-    if getattr(args, flag) < 1:
-      raise ValueError(f'--{flag} must be at least 1, got {getattr(args, flag)}')
-  problem = diskcache.folder_problem(args.workdir)
-  if problem:
-    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
+  check_positive(args, ('images', 'batch', 'rounds'))
+  check_workdir_flag(args.workdir)
 
 
 def main(argv=None) -> int:

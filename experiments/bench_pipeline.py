@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax import diskcache, runtime, schedule
 
 
@@ -53,10 +54,8 @@ def _ints(flag: str, text: str) -> list[int]:
 
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is built."""
-  for flag in ('layers', 'hidden', 'image_size', 'patch_size', 'batch', 'repeats', 'devices'):
-    if getattr(args, flag) < 1:
-      raise ValueError(f'--{flag.replace("_", "-")} must be at least 1, '
-                       f'got {getattr(args, flag)}')
+  check_positive(args, ('layers', 'hidden', 'image_size', 'patch_size', 'batch', 'repeats',
+                        'devices'))
   if args.image_size % args.patch_size:
     raise ValueError(f'--patch-size {args.patch_size} must divide --image-size '
                      f'{args.image_size}')
@@ -71,9 +70,7 @@ def _check(args) -> None:
     if name not in schedule.SCHEDULES:
       raise ValueError(f'--schedules: unknown schedule {name!r}; expected some of '
                        f'{",".join(sorted(schedule.SCHEDULES))}')
-  problem = diskcache.folder_problem(args.workdir)
-  if problem:
-    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
+  check_workdir_flag(args.workdir)
 
 
 def main(argv=None) -> int:
