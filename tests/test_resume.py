@@ -558,8 +558,9 @@ def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, 
   original = _files(workdir)
   real = {'replace': os.replace, 'rename': os.rename}
 
-  def kill_at(patched, k):
-    """The k-th rename or replace (files, folders, the phase's atomic write) is a kill."""
+  def killed_at(k, step):
+    """``step(workdir)``, its k-th rename or replace (files, folders, the
+    phase's atomic write) a kill."""
     calls = []
 
     def wrapped(name):
@@ -569,28 +570,23 @@ def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, 
           raise _Killed()
         return real[name](*args)
       return call
-    for name in real:
-      patched.setattr(os, name, wrapped(name))
-
-  for k in range(1, 11):
-    with monkeypatch.context() as patched:  # killed while starting over
-      kill_at(patched, k)
+    with monkeypatch.context() as patched:
+      for name in real:
+        patched.setattr(os, name, wrapped(name))
       try:
-        elastic._start_over(workdir)
+        step(workdir)
       except _Killed:
         pass
+
+  for k in range(1, 11):
+    killed_at(k, elastic._start_over)
     if elastic._replaced(workdir) == (os.path.join(workdir, 'replaced'), 'replaced'):
       _leftovers(workdir)  # it completed: its run began
     elastic._recover(workdir)
     assert _files(workdir) == original, k
     elastic._start_over(workdir)
     _leftovers(workdir)
-    with monkeypatch.context() as patched:  # killed while putting back
-      kill_at(patched, k)
-      try:
-        elastic._recover(workdir)
-      except _Killed:
-        pass
+    killed_at(k, elastic._recover)  # killed while putting back
     elastic._recover(workdir)
     assert _files(workdir) == original, k
 
