@@ -69,6 +69,20 @@ def _run_after_prefix(pipe, model, params, batch, partition, replicas, micro_bat
                       train=False)(stage_params, feed, jax.random.PRNGKey(0))
 
 
+def _beside_sequential(created, partition, plan, batch, reference, devices=None):
+  """The pipeline's train-step loss, metrics and gradients on ``batch``
+  (NaN in every bubble and unwritten buffer: nothing may leak), and the
+  sequential model's on ``reference``: ``(pipe, stage_params, (loss,
+  metrics, grads), ((ref_loss, ref_metrics), ref_grads))``."""
+  pipe = pipeline.Pipeline(created.model, devices=devices, fill=NAN)
+  stage_params = part.to_stage_params(created.params, partition)
+  mine = pipe.grad_fn(plan, stage_params, train=False)(stage_params, batch,
+                                                        jax.random.PRNGKey(0))
+  ref = jax.value_and_grad(lambda p: created.model.loss(p, reference), has_aux=True)(
+      created.params)
+  return pipe, stage_params, mine, ref
+
+
 def _max_err(a, b):
   return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)))
 
@@ -79,14 +93,9 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
   model, params = created.model, created.params
   replicas, micro = 8 // k, 2
   batch = fixtures.batch(kind, model, replicas * micro * 2, seed=k)
-  # Bubbles send NaN and unwritten buffers hold NaN: nothing may leak.
-  pipe = pipeline.Pipeline(model, fill=NAN)
   plan = pipeline.Plan(partition, replicas, micro, schedule)
-  stage_params = part.to_stage_params(params, partition)
-  loss, metrics, grads = pipe.grad_fn(plan, stage_params, train=False)(
-      stage_params, batch, jax.random.PRNGKey(0))
-  (ref_loss, ref_metrics), ref_grads = jax.value_and_grad(
-      lambda p: model.loss(p, batch), has_aux=True)(params)
+  pipe, stage_params, (loss, metrics, grads), ((ref_loss, ref_metrics), ref_grads) = (
+      _beside_sequential(created, partition, plan, batch, batch))
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
   assert float(metrics['count']) == len(batch['labels' if 'labels' in batch else
                                               'start_positions'])
@@ -293,13 +302,9 @@ def test_a_padded_batch_trains_on_its_real_rows_only(kind, k, schedule, sizes, r
   junk = fixtures.batch(kind, model, size - count, seed=k + 100)
   padded = {key: np.concatenate([real[key], junk[key]]) for key in real}
   padded['example_mask'] = (np.arange(size) < count).astype(np.float32)
-  pipe = pipeline.Pipeline(model, devices=jax.devices()[:k * replicas], fill=NAN)
   plan = pipeline.Plan(partition, replicas, micro, schedule)
-  stage_params = part.to_stage_params(params, partition)
-  loss, metrics, grads = pipe.grad_fn(plan, stage_params, train=False)(
-      stage_params, padded, jax.random.PRNGKey(0))
-  (ref_loss, _), ref_grads = jax.value_and_grad(
-      lambda p: model.loss(p, real), has_aux=True)(params)
+  pipe, stage_params, (loss, metrics, grads), ((ref_loss, _), ref_grads) = _beside_sequential(
+      created, partition, plan, padded, real, devices=jax.devices()[:k * replicas])
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
   assert float(metrics['count']) == count
   assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
