@@ -578,16 +578,19 @@ def _start_over(workdir: str) -> bool:
   return True
 
 
-def _drop_replaced(workdir: str) -> None:
-  """Removes ``workdir/replaced`` (:func:`_start_over`): the new run has a
-  finished checkpoint (or, without checkpoints, has finished). Renamed
-  first: a removal that fails or is killed halfway leaves a folder that the
-  next run sweeps (:func:`_recover`), never a ``replaced`` to put back."""
+def _drop_replaced(workdir: str) -> bool:
+  """Removes ``workdir/replaced`` (:func:`_start_over`): the run that
+  replaced its outputs has a finished checkpoint (or, without checkpoints,
+  has finished). Renamed first: a removal that fails or is killed halfway
+  leaves a folder that the next run sweeps (:func:`_recover`), never a
+  ``replaced`` to put back. False (said) where the rename failed."""
   state = _replaced(workdir)
   if state is None or jax.process_index() != 0:
-    return
-  if _remove_folder(workdir, state[0]):
-    _log(f'removed {state[0]}: the outputs of the run that this one replaced')
+    return True
+  if not _remove_folder(workdir, state[0]):
+    return False
+  _log(f'removed {state[0]}: the outputs of a run that the one in {workdir} replaced')
+  return True
 
 
 def _remove_folder(workdir: str, folder: str) -> bool:
@@ -631,10 +634,9 @@ def _recover(workdir: str, resume_: bool = True) -> None:
   # A finished checkpoint, or (checkpoints off) a summary, is the later run's.
   if phase == 'replaced' and (_has_checkpoint(workdir) or
                               os.path.exists(os.path.join(workdir, 'summary.json'))):
-    if not _remove_folder(workdir, replaced):
+    if not _drop_replaced(workdir):
       raise ConfigError(f'cannot remove {replaced}, the outputs of a run that a later one '
                         f'replaced (see above); remove it by hand')
-    _log(f'removed {replaced}: the outputs of a run that the one in {workdir} replaced')
     return
   if phase == 'replaced' and not resume_:
     return

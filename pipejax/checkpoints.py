@@ -347,11 +347,10 @@ def own_entries(workdir: str) -> list[str]:
                 and not os.path.islink(os.path.join(directory, name)))
 
 
-def clear(workdir: str, into: str | None = None) -> None:
-  """Removes a run's checkpoints (starting over): its steps, those set aside
-  and unfinished saves, or with ``into`` moves them into the folder
-  ``into/checkpoints``; anything else in ``workdir/checkpoints`` stays (and
-  the folder with it).
+def clear(workdir: str) -> None:
+  """Removes a run's checkpoints: its steps, those set aside and unfinished
+  saves (:func:`own_entries`); anything else in ``workdir/checkpoints`` stays
+  (and the folder with it).
 
   Raises:
     CheckpointError: a step folder that is no pipejax checkpoint
@@ -362,12 +361,7 @@ def clear(workdir: str, into: str | None = None) -> None:
   if not os.path.isdir(directory):
     return
   for name in own_entries(workdir):
-    path = os.path.join(directory, name)
-    if into is None:
-      shutil.rmtree(path, ignore_errors=True)
-    else:
-      os.makedirs(os.path.join(into, 'checkpoints'), exist_ok=True)
-      os.replace(path, os.path.join(into, 'checkpoints', name))
+    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
   try:
     os.rmdir(directory)
   except OSError:
