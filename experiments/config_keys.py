@@ -127,9 +127,22 @@ MEANINGS: dict[str, str] = {
 }
 
 
-def _format(value) -> str:
-  """A value as ``--help`` writes it after ``--config.KEY=``."""
+def shown(value) -> str:
+  """A value as ``--help`` and ``docs/config.md`` write it after
+  ``--config.KEY=``."""
   return repr(value) if isinstance(value, str) else str(value)
+
+
+def flat(config, prefix: str = '') -> list[tuple[str, object]]:
+  """``(dotted key, value)`` of every leaf of ``config`` (a ``ConfigDict``
+  or a dict of them), in its order."""
+  out = []
+  for key, value in config.items():
+    if hasattr(value, 'items'):
+      out.extend(flat(value, f'{prefix}{key}.'))
+    else:
+      out.append((f'{prefix}{key}', value))
+  return out
 
 
 def flat_defaults() -> dict[str, dict[str, str]]:
@@ -137,15 +150,11 @@ def flat_defaults() -> dict[str, dict[str, str]]:
   it}}``, in the order of their first ``get_config()``."""
   import importlib  # noqa: PLC0415
 
-  def walk(d, prefix=''):
-    for k, v in d.items():
-      yield from walk(v, f'{prefix}{k}.') if isinstance(v, dict) else [(prefix + k, v)]
-
   out: dict[str, dict[str, str]] = {}
   for name in ENTRY_POINTS:
     config = importlib.import_module(f'experiments.{name}').get_config().to_dict()
-    for key, value in walk(config):
-      out.setdefault(key, {})[name] = _format(value)
+    for key, value in flat(config):
+      out.setdefault(key, {})[name] = shown(value)
   return out
 
 

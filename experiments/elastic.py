@@ -1117,17 +1117,6 @@ def main(config, workdir: str | None, task: str) -> int:
 HELP_FLAGS = ('-h', '--help', '--helpfull')
 
 
-def _flat_config(config, prefix: str = 'config') -> list[tuple[str, object]]:
-  out = []
-  for key, value in config.items():
-    name = f'{prefix}.{key}'
-    if hasattr(value, 'items'):
-      out.extend(_flat_config(value, name))
-    else:
-      out.append((name, value))
-  return out
-
-
 def usage(config, config_file: str, require_workdir: bool = False,
           extra_flags: Sequence[tuple[str, str]] = ()) -> str:
   """``--help``: the command's description (its module's docstring), its
@@ -1150,9 +1139,9 @@ def usage(config, config_file: str, require_workdir: bool = False,
             f'{os.path.relpath(config_file)})',
             *(f'  {flag:<15} {what}' for flag, what in extra_flags),
             '', 'config keys (--config.KEY=VALUE) and their values on this command line:']
-  for name, value in _flat_config(config):
-    lines.append(f'  --{name}={value!r}' if isinstance(value, str) else f'  --{name}={value}')
-    meaning = config_keys.MEANINGS.get(name[len('config.'):])
+  for name, value in config_keys.flat(config):
+    lines.append(f'  --config.{name}={config_keys.shown(value)}')
+    meaning = config_keys.MEANINGS.get(name)
     if meaning:
       lines += textwrap.wrap(meaning, 88, initial_indent=' ' * 6, subsequent_indent=' ' * 6)
   lines += ['', 'every key, its defaults and meaning: docs/config.md']
