@@ -55,7 +55,9 @@ MEANINGS: dict[str, str] = {
     'train.batch_size': "the global batch (batch_mode=constant) or a pipeline's batch "
                         "(per_pipeline); a multiple of the devices",
     'train.batch_mode': "'constant': the global batch stays the same when AutoDP adds replicas; "
-                        "'per_pipeline': it grows with them (the paper)",
+                        "'per_pipeline': it grows with them (the paper), and an epoch's "
+                        "fewer steps each move the learning-rate schedule further, so that it "
+                        "still ends with the last epoch",
     'train.learning_rate': "AdamW's peak learning rate",
     'train.weight_decay': "AdamW's decoupled weight decay",
     'train.warmup_epochs': 'linear warm-up to the peak learning rate, then cosine decay to 0',

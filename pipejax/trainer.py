@@ -154,36 +154,44 @@ def optimizer_for(train, steps_per_epoch: int):
   """``(learning-rate schedule, optimizer)`` of a ``config.train`` section:
   AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0.
 
-  The schedule counts *base steps*, steps of the starting global batch
-  (``steps_per_epoch`` of them an epoch): ``update(..., base_steps=n)``
-  advances it by ``n`` (default 1), so with ``train.batch_mode='per_pipeline'``,
-  where a step of R replicas holds R/R₀ starting batches, the decay follows
-  the samples seen and ends with the last epoch. Otherwise it is
+  The schedule counts *base steps*, ``steps_per_epoch`` of them an epoch:
+  ``update(..., base_steps=n)`` advances it by ``n`` (default 1). With
+  ``train.batch_mode='constant'`` every step is one, and the optimizer is
   ``optax.adamw(schedule)`` exactly (the same state tree and arithmetic).
+  With ``'per_pipeline'`` an epoch at R replicas has fewer, larger steps;
+  each advances the schedule by ``steps_per_epoch`` over that epoch's steps,
+  a fraction (the schedule's count is then a float32, set to the epoch's
+  exact end by :func:`with_schedule_count` after each epoch), so the decay
+  ends with the last epoch whatever the replicas, ``drop_remainder`` or
+  ``train.max_steps_per_epoch`` made of the epochs.
   """
   total = max(2, train.epochs * steps_per_epoch)
   # optax needs the decay to outlast the warm-up; 0 steps: the first step at the peak.
   warmup = min(int(train.warmup_epochs * steps_per_epoch), total - 1)
   lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, warmup, total,
                                           end_value=0.0)
+  count_dtype = jnp.float32 if train.batch_mode == 'per_pipeline' else jnp.int32
   return lr, optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(train.weight_decay),
-                         _scale_by_schedule_in_base_steps(lambda count: -1 * lr(count)))
+                         _scale_by_schedule_in_base_steps(lambda count: -1 * lr(count),
+                                                          count_dtype))
 
 
-def _scale_by_schedule_in_base_steps(step_size_fn) -> optax.GradientTransformationExtraArgs:
-  """``optax.scale_by_schedule`` whose count advances by the update's
-  ``base_steps`` instead of 1 (Adam's own count, for its bias correction,
-  still counts updates)."""
+def _scale_by_schedule_in_base_steps(step_size_fn, count_dtype=jnp.int32
+                                     ) -> optax.GradientTransformationExtraArgs:
+  """``optax.scale_by_schedule`` whose count (of ``count_dtype``) advances by
+  the update's ``base_steps`` instead of 1 (Adam's own count, for its bias
+  correction, still counts updates)."""
 
   def init(params):
     del params
-    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+    return optax.ScaleByScheduleState(count=jnp.zeros([], count_dtype))
 
   def update(updates, state, params=None, *, base_steps=1, **extra_args):
     del params, extra_args
     step_size = step_size_fn(state.count)
     updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
-    return updates, optax.ScaleByScheduleState(count=state.count + base_steps)
+    return updates, optax.ScaleByScheduleState(
+        count=state.count + jnp.asarray(base_steps, state.count.dtype))
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -192,6 +200,14 @@ def schedule_count(opt_state) -> jax.Array:
   """Base steps done: the learning-rate schedule's position in an
   :func:`optimizer_for` state."""
   return opt_state[-1].count
+
+
+def with_schedule_count(opt_state, count: int):
+  """``opt_state`` (of :func:`optimizer_for`) with the schedule at base step
+  ``count``, on the sharding and dtype its count has."""
+  old = opt_state[-1].count
+  new = jax.device_put(jnp.asarray(count, old.dtype), old.sharding)
+  return (*opt_state[:-1], opt_state[-1]._replace(count=new))
 
 
 def check_batch_for_freezing(config, num_devices: int) -> None:
@@ -667,7 +683,7 @@ class Trainer:
     partition = plan.partition
     state_shapes = _without_frozen(self._state_shapes(partition))
     grad = self.pipe.grad_fn(plan, state_shapes['active'], train=True).jitted
-    base_steps = self.batch_size(plan) // self.starting_batch_size
+    base_steps = self._base_steps_per_step(plan)
 
     def step(state, feed, tables):
       rng, step_rng = jax.random.split(state['rng'])
@@ -816,6 +832,10 @@ class Trainer:
       if after_step is not None and steps < loader.steps_per_epoch():
         after_step(epoch, steps)
     sums, _ = self.check_not_diverged(epoch)
+    if self.config.train.batch_mode == 'per_pipeline' and steps == loader.steps_per_epoch():
+      # The epoch's fractional base steps, summed in float32, end exactly at its end.
+      self.state['opt'] = with_schedule_count(self.state['opt'],
+                                              (epoch + 1) * self.steps_per_epoch)
     seconds = time.perf_counter() - start
     if first_step_seconds is not None and self.transitions:
       mean_step = (seconds - transition_seconds) / max(steps - start_step, 1)
@@ -897,10 +917,20 @@ class Trainer:
       return int(size)
     return EVAL_BATCH_FACTOR * self.starting_batch_size
 
-  def _train_loader(self) -> Loader:
-    """The train loader at the plan's global batch (per_pipeline: it grows
-    with R, so an epoch has fewer steps)."""
-    return dataclasses.replace(self.train_loader, batch_size=self.batch_size(self.plan))
+  def _train_loader(self, plan: pipeline.Plan | None = None) -> Loader:
+    """The train loader at ``plan``'s global batch (default: the current
+    plan's; per_pipeline: it grows with R, so an epoch has fewer steps)."""
+    return dataclasses.replace(self.train_loader,
+                               batch_size=self.batch_size(plan or self.plan))
+
+  def _base_steps_per_step(self, plan: pipeline.Plan) -> float | int:
+    """How far a step of ``plan`` moves the learning-rate schedule: 1 with a
+    constant batch; with per_pipeline, the starting plan's steps per epoch
+    over ``plan``'s, so that every epoch is ``steps_per_epoch`` base steps
+    (R/R₀ when R·B divides the data and no cap binds)."""
+    if self.config.train.batch_mode != 'per_pipeline':
+      return 1
+    return self.steps_per_epoch / max(1, self._train_loader(plan).steps_per_epoch())
 
   def _eval_loader(self) -> Loader:
     return dataclasses.replace(self.eval_loader, batch_size=self.eval_batch_size())
@@ -1047,9 +1077,10 @@ class Trainer:
       self._ahead = None
 
   def base_steps_done(self) -> int:
-    """Training so far in steps of the starting global batch (the
-    learning-rate schedule's position; the steps taken, ``state['step']``,
-    are fewer once ``batch_mode='per_pipeline'`` has grown the batch)."""
+    """Training so far in base steps, ``steps_per_epoch`` an epoch (the
+    learning-rate schedule's position, rounded down; the steps taken,
+    ``state['step']``, are fewer once ``batch_mode='per_pipeline'`` has
+    grown the batch)."""
     return int(schedule_count(self.state['opt']))
 
   def _epochs_left(self) -> int:

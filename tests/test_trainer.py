@@ -1023,6 +1023,51 @@ def test_per_pipeline_batch_mode_runs_through_compression(tmp_path, cache_policy
   assert all(sizes == ({16} if k == 4 else {32}) for k, sizes in compiled), compiled
 
 
+@pytest.mark.parametrize('samples, cap', [(88, 0), (64, 2)])
+def test_per_pipeline_schedule_ends_with_the_last_epoch(tmp_path, samples, cap):
+  """With per_pipeline batches the learning-rate schedule counts epochs, not
+  samples: each epoch is ``steps_per_epoch`` base steps however few steps its
+  larger batch makes. 88 samples: 5 steps of 16, then 2 of 32 (2.5 base steps
+  each, not R/R₀ = 2, which never finished the decay); a cap of 2 steps an
+  epoch: 2 steps at every R (1 base step each, not 2, which ended the decay
+  an epoch early and trained the rest at a rate of 0)."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=2, epochs=4)
+  with config.unlocked():
+    config.train.update(batch_mode='per_pipeline', batch_size=8, max_steps_per_epoch=cap,
+                        warmup_epochs=0.5)
+  created = fixtures.tiny('vit', num_layers=4)
+  data = fixtures.batch('vit', created.model, samples, seed=4)
+  trainer = Trainer(created.model, created.params, config, str(tmp_path),
+                    Loader(ArraySource(data), 16, seed=0, max_steps=cap),
+                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
+                    log=lambda _: None)
+  epochs, counts = [], []  # the schedule's position whenever a stop is polled
+
+  def progress(epoch, steps):
+    epochs.append(epoch)
+    return contextlib.nullcontext(_Bar())
+
+  def spy():
+    counts.append((epochs[-1], float(trainer_lib.schedule_count(trainer.state['opt']))))
+    return False
+
+  rows = trainer.run(4, progress, stop_requested=spy)['rows']
+  spe = trainer.steps_per_epoch
+  steps = np.diff([0] + [r['step'] for r in rows])
+  assert spe == (5 if cap == 0 else 2) and [r['replicas'] for r in rows][-1] == 4
+  assert sorted(set(steps.tolist())) == ([2, 5] if cap == 0 else [2])
+  # The reference: after step j of epoch e (n_e steps), e + j / n_e epochs
+  # (polled after every step but an epoch's last, and after every epoch but the last).
+  expected = [(e, e * spe + j * spe / n) for e, n in enumerate(steps)
+              for j in [*range(1, n), *([n] if e < 3 else [])]]
+  assert [e for e, _ in counts] == [e for e, _ in expected]
+  np.testing.assert_allclose([c for _, c in counts], [c for _, c in expected], rtol=1e-6)
+  assert trainer.base_steps_done() == 4 * spe
+  assert float(trainer.lr(trainer.base_steps_done())) == 0.0
+  # Every step trained: the last step's rate (at its position before it) is not 0.
+  assert float(trainer.lr(counts[-1][1])) > 0.0
+
+
 def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
   """``optimizer_for`` is ``optax.adamw`` with the schedule bit for bit when
   every step is one base step; ``base_steps=n`` moves the schedule n places
@@ -1052,6 +1097,17 @@ def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
   expected = jax.tree.map(lambda a, p: -lr(4) * (a + config.train.weight_decay * p), adam, ours)
   for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  # per_pipeline: fractional base steps, counted in float32; the epoch-end set.
+  with config.unlocked():
+    config.train.batch_mode = 'per_pipeline'
+  lr, tx = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  state = tx.init(params)
+  for _ in range(2):
+    _, state = tx.update(grads, state, params, base_steps=5 / 2)
+  assert trainer_lib.schedule_count(state).dtype == jnp.float32
+  assert float(trainer_lib.schedule_count(state)) == 5.0 and int(state[0].count) == 2
+  state = trainer_lib.with_schedule_count(state, 7)
+  assert float(trainer_lib.schedule_count(state)) == 7.0 and int(state[0].count) == 2
 
 
 def test_learning_rate_schedule_is_linear_warmup_then_cosine_to_zero():
