@@ -268,11 +268,12 @@ def _fresh_workdir(task: str) -> str:
       path = f'{base}-{n}'
 
 
-def _pretrained(kind: str, path: str, num_labels: int) -> models.Created:
-  """``model.pretrained`` loaded with a new head of ``num_labels`` classes; a
-  path or hub name that does not load is a :class:`ConfigError`."""
+def _pretrained(kind: str, path: str, num_labels: int, seed: int) -> models.Created:
+  """``model.pretrained`` loaded with a new head of ``num_labels`` classes
+  (initialised from ``seed``); a path or hub name that does not load is a
+  :class:`ConfigError`."""
   try:
-    return models.create(kind, pretrained=path, num_labels=num_labels)
+    return models.create(kind, pretrained=path, num_labels=num_labels, seed=seed)
   except ValueError as e:
     raise ConfigError(f'model.pretrained: {e}') from e
 
@@ -374,7 +375,7 @@ def _bert_model(config, data: text_data.TextDataset, kind: str) -> models.Create
   sized to the tokenizer's vocabulary."""
   m = config.model
   if m.pretrained:
-    created = _pretrained(kind, m.pretrained, data.num_classes)
+    created = _pretrained(kind, m.pretrained, data.num_classes, config.seed)
     if getattr(data, 'label_names', ()):  # GLUE's classes, named by TFDS
       created = match_head_labels(created, data.label_names, data.name)
     hf = created.model.hf_config
@@ -420,7 +421,7 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
     return _bert_model(config, data, 'bert-question_answering')
   m = config.model
   if m.pretrained:
-    created = _pretrained('vit', m.pretrained, data.num_classes)
+    created = _pretrained('vit', m.pretrained, data.num_classes, config.seed)
     hf = created.model.hf_config
     if (hf.num_channels, hf.image_size) != (data.channels, data.image_size):
       raise ConfigError(f'model.pretrained: {m.pretrained!r} takes {hf.image_size}x'

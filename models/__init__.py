@@ -82,7 +82,8 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
     pretrained: a local directory or HF hub name (resolved from the local HF
       cache) for ``from_pretrained``; PyTorch/safetensors weights are converted
       with ``from_pt=True`` when no Flax weights are present.
-    seed: PRNG seed of the random initialisation.
+    seed: PRNG seed of the random initialisation (with ``pretrained``: of a
+      new head's).
     num_labels: with ``pretrained``, a classifier size to use instead of the
       checkpoint's (a head of another size, or none, is then freshly
       initialised; one of this size is kept).
@@ -95,7 +96,7 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
   """
   hf_class = _hf_class(kind)
   if pretrained is not None:
-    hf = _from_pretrained(hf_class, pretrained, num_labels)
+    hf = _from_pretrained(hf_class, pretrained, num_labels, seed)
     hf_config, hf_params = hf.config, hf.params
   else:
     if hf_config is None:
@@ -115,9 +116,39 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
   return Created(model=model, params=params, hf_class=hf_class)
 
 
-def _from_pretrained(hf_class, path: str, num_labels: int | None = None):
+#: Flax weights as ``save_pretrained`` writes them: one file, or shards and their index.
+FLAX_WEIGHTS = ('flax_model.msgpack', 'flax_model.msgpack.index.json')
+#: PyTorch weights (``from_pt`` converts them), the same way.
+PT_WEIGHTS = ('model.safetensors', 'model.safetensors.index.json', 'pytorch_model.bin',
+              'pytorch_model.bin.index.json')
+
+
+def has_flax_weights(path: str) -> bool | None:
+  """Whether ``path`` holds Flax weights: a directory, or a hub name looked
+  up in the local HF cache; None for a name whose cached entry holds no
+  weights of either kind (or that the cache does not know)."""
   import os  # noqa: PLC0415
-  has_flax = os.path.isdir(path) and os.path.exists(os.path.join(path, 'flax_model.msgpack'))
+  if os.path.isdir(path):
+    return any(os.path.exists(os.path.join(path, name)) for name in FLAX_WEIGHTS)
+  from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+
+  def cached(names):
+    return any(isinstance(try_to_load_from_cache(path, name), str) for name in names)
+
+  try:
+    if cached(FLAX_WEIGHTS):
+      return True
+    return False if cached(PT_WEIGHTS) else None
+  except ValueError:  # not a valid repository name: from_pretrained says what it is
+    return None
+
+
+def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: int = 0):
+  """``hf_class.from_pretrained(path)``: Flax weights where the directory or
+  the cached hub entry has them, else PyTorch/safetensors ones converted
+  (``from_pt``); a name the cache does not know tries Flax weights first. A
+  new head is initialised from ``seed``."""
+  flax = has_flax_weights(path)
   extra = {} if num_labels is None else {'num_labels': num_labels,
                                          'ignore_mismatched_sizes': True}
   want = hf_class.config_class.model_type
@@ -125,7 +156,12 @@ def _from_pretrained(hf_class, path: str, num_labels: int | None = None):
     found = hf_class.config_class.get_config_dict(path)[0].get('model_type')
     if found not in (None, want):  # HF would only warn, then fail on the first batch
       raise ValueError(f'it holds a {found!r} model, not a {want!r} one')
-    return hf_class.from_pretrained(path, from_pt=not has_flax, **extra)
+    if flax is None:
+      try:
+        return hf_class.from_pretrained(path, seed=seed, **extra)
+      except OSError:  # no Flax weights there: the PyTorch ones, or HF's own error for them
+        pass
+    return hf_class.from_pretrained(path, from_pt=not flax, seed=seed, **extra)
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - transformers, safetensors, msgpack, a missing torch

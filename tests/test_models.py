@@ -1,5 +1,8 @@
 """The layered view of each HF model equals the HF model itself."""
 import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +200,79 @@ def test_pretrained_vit_from_local_directory(tmp_path):
                                 hf.params['vit']['embeddings']['cls_token'])
   with pytest.raises(ValueError, match='cannot load pretrained model'):
     models.create('vit', pretrained=str(tmp_path / 'missing'))
+
+
+def test_pretrained_new_head_follows_the_seed(tmp_path):
+  """``seed`` initialises a pretrained model's new head (HF's own default is
+  the same key every time): two seeds, two heads; one seed, one head; the
+  body is the checkpoint's whatever the seed."""
+  created = fixtures.tiny('vit')
+  hf = created.hf_class(created.model.hf_config, seed=7)
+  hf.save_pretrained(str(tmp_path))
+  loaded = [models.create('vit', pretrained=str(tmp_path), num_labels=3, seed=s)
+            for s in (0, 1, 1)]
+  kernels = [np.asarray(c.params['head']['classifier']['kernel']) for c in loaded]
+  assert not np.array_equal(kernels[0], kernels[1])
+  np.testing.assert_array_equal(kernels[1], kernels[2])
+  for c in loaded:
+    np.testing.assert_array_equal(c.params['embed']['cls_token'],
+                                  hf.params['vit']['embeddings']['cls_token'])
+
+
+_LOAD = """
+import sys
+import jax, numpy as np
+import models
+created = models.create(sys.argv[1], pretrained=sys.argv[2])
+leaves = jax.tree_util.tree_flatten_with_path(created.model.to_hf(created.params))[0]
+np.savez(sys.argv[3], **{jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves})
+"""
+
+
+def _hub_entry(hub, name, files):
+  """An entry ``name`` of an HF hub cache at ``hub`` (its layout: a snapshot
+  and ``refs/main`` naming it) holding ``files`` (name -> source path)."""
+  entry = hub / ('models--' + name.replace('/', '--'))
+  snapshot = entry / 'snapshots' / ('0' * 40)
+  snapshot.mkdir(parents=True)
+  (entry / 'refs').mkdir()
+  (entry / 'refs' / 'main').write_text('0' * 40)
+  for file, source in files.items():
+    shutil.copy(source, snapshot / file)
+
+
+def test_pretrained_hub_names_load_from_the_cache_with_flax_or_pytorch_weights(tmp_path):
+  """A hub name resolves in the local HF cache, offline: an entry with only
+  Flax weights loads them (not a refusal for want of PyTorch ones), an entry
+  with only safetensors converts those; each equals its weights as HF loads
+  them here."""
+  saved = tmp_path / 'saved'
+  created = fixtures.tiny('vit')
+  hf_vit = created.hf_class(created.model.hf_config, seed=7)
+  hf_vit.save_pretrained(str(saved))
+  minilm = fixtures.minilm_dir()
+  hub = tmp_path / 'hub'
+  _hub_entry(hub, 'local/flax-vit', {f: saved / f for f in ('config.json', 'flax_model.msgpack')})
+  _hub_entry(hub, 'local/minilm', {f: os.path.join(minilm, f)
+                                   for f in ('config.json', 'model.safetensors')})
+  assert not (saved / 'model.safetensors').exists()
+  from transformers import FlaxBertModel  # noqa: PLC0415
+  references = {'local/flax-vit': ('vit', hf_vit.params),
+                'local/minilm': ('bert-encoder',
+                                 FlaxBertModel.from_pretrained(minilm, from_pt=True).params)}
+  env = {**os.environ, 'HF_HUB_CACHE': str(hub), 'HF_HUB_OFFLINE': '1',
+         'PYTHONPATH': os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+  for name, (kind, reference) in references.items():
+    out = tmp_path / (name.replace('/', '-') + '.npz')
+    result = subprocess.run([sys.executable, '-c', _LOAD, kind, name, str(out)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (name, result.stderr[-2000:])
+    loaded = dict(np.load(out))
+    expected = {jax.tree_util.keystr(k): np.asarray(v)
+                for k, v in jax.tree_util.tree_flatten_with_path(reference)[0]}
+    assert loaded.keys() == expected.keys(), name
+    for key, value in expected.items():
+      np.testing.assert_array_equal(loaded[key], value, err_msg=f'{name} {key}')
 
 
 def _vit_config(**overrides):
