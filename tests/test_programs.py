@@ -546,6 +546,74 @@ def test_a_one_off_program_is_compiled_without_library_fusions(tmp_path, directo
     np.testing.assert_array_equal(loaded(x, w), without(x, w))
 
 
+def test_trimming_removes_the_least_recently_used_files_of_the_store_only(tmp_path,
+                                                                         monkeypatch):
+  """A store opened past ``max_bytes`` removes its own files, least recently
+  used first, down to that size (and a killed writer's temporary file): the
+  oldest entry whole; the program and pointer of an entry whose executable a
+  recently used entry shares (that stays and still serves it); an
+  executable older than its program and pointer, which is then compiled
+  again from the program, quietly (not damage), to the same bits. A user's
+  files, older and larger than all, stay and count for nothing. Opened
+  without ``max_bytes``, the store keeps 1 GiB (the README's bound)."""
+  salts = {1: _salt(), 2: _salt(), 4: _salt()}
+  salts[3] = salts[2]  # runs 2 and 3: one program, one executable
+  want, entry = {}, {}
+  with _jax_cache(0.0):  # as in a run: JAX's cache answers run 3 (and run 4 below)
+    for run in (1, 2, 3, 4):
+      store = ProgramStore(str(tmp_path), {'run': run}, log=pytest.fail)
+      state, batch = _args()
+      args = _spec((state, batch))
+      want[run] = _bits(store.compile('step', ('k',), args, _build([], salts[run]),
+                                      donate_argnums=(0,))(state, batch))
+      program = store.path('step', ('k',), args, None, (0,))
+      pointer = store.pointer_path(program)
+      entry[run] = (program, pointer, store.executable_path(open(pointer).read().strip()))
+  assert entry[2][2] == entry[3][2] and len(_files(tmp_path, EXECUTABLE_SUFFIX)) == 3
+  user = [tmp_path / 'notes.txt', tmp_path / 'exec-mine.xla', tmp_path / 'draft.xla.tmp',
+          tmp_path / f'{os.path.basename(entry[1][0])}.orig']
+  for path in user:
+    path.write_bytes(b'u' * 300_000)  # together past everything the store holds
+  killed = f'{entry[1][2]}.{"1" * 32}.tmp'  # a writer killed hours ago
+  with open(killed, 'wb') as f:
+    f.write(b'x' * 1000)
+  # Last used, oldest first (a file's time is all trimming reads).
+  used = {**{str(p): 1000 for p in user}, killed: 1000,
+          entry[1][0]: 2000, entry[1][1]: 2001, entry[1][2]: 2002,
+          entry[2][0]: 3000, entry[2][1]: 3001, entry[4][2]: 4000,
+          entry[3][0]: 5000, entry[3][1]: 5001, entry[3][2]: 5002,
+          entry[4][0]: 6000, entry[4][1]: 6001}
+  assert sorted(used) == sorted(str(p) for p in tmp_path.iterdir())
+  for path, when in used.items():
+    os.utime(path, (when, when))
+  kept = [entry[3][0], entry[3][1], entry[3][2], entry[4][0], entry[4][1]]
+  ProgramStore(str(tmp_path), {'run': 0}, log=pytest.fail,
+               max_bytes=sum(os.path.getsize(p) for p in kept))
+  assert sorted(str(p) for p in tmp_path.iterdir()) == sorted(kept + [str(p) for p in user])
+  assert all(p.read_bytes() == b'u' * 300_000 for p in user)
+
+  def load(run, build=pytest.fail):
+    store = ProgramStore(str(tmp_path), {'run': run}, log=pytest.fail)
+    state, batch = _args()
+    with _jax_cache(0.0):
+      got = store.compile('step', ('k',), _spec((state, batch)), build,
+                          donate_argnums=(0,))(state, batch)
+    assert _bits(got) == want[run]
+    return store.stats()
+
+  assert load(3)['executables_loaded'] == 1  # the shared executable stayed
+  stats = load(4)  # its executable trimmed: compiled from its program, kept again
+  assert stats['programs_loaded'] == 1 and stats['executables_loaded'] == 0
+  assert stats['executables_unusable'] == stats['programs_unusable'] == 0
+  assert stats['executables_not_kept'] == 0 and os.path.exists(entry[4][2])
+  assert load(4)['executables_loaded'] == 1
+  assert load(1, _build([], salts[1]))['programs_traced'] == 1  # gone whole: traced again
+  limits = []
+  monkeypatch.setattr(programs.diskcache, 'trim', lambda d, names, limit: limits.append(limit))
+  ProgramStore(str(tmp_path), {'run': 0}, log=pytest.fail)
+  assert limits == [1 << 30]
+
+
 def test_off_without_a_directory(tmp_path):
   traced = []
   store = ProgramStore(None, {})

@@ -999,9 +999,10 @@ def test_one_signal_delivered_twice_at_once_is_one_request(monkeypatch):
     abort(None, signal.SIGTERM)
 
 
-def _cli(workdir, profile, log):
+def _cli(workdir, profile, log, script=None, **env):
   """The real CLI in a subprocess (this worktree first on the path, the
-  tests' compilation cache)."""
+  tests' compilation cache); ``script``: Python that runs it in its place,
+  with the same flags and ``env`` added to the environment."""
   args = [f'--config.{k}={v}' for k, v in {**SMALL, 'train.epochs': 3,
                                             'train.max_steps_per_epoch': 4,
                                             'pipeline.micro_batches': 4,
@@ -1009,10 +1010,10 @@ def _cli(workdir, profile, log):
                                             'pipeline.profile_path': profile}.items()]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, 'PYTHONPATH': root, 'PIPEJAX_COMPILATION_CACHE':
-         jax.config.jax_compilation_cache_dir or ''}
-  return subprocess.Popen([sys.executable, '-m', 'experiments.vit_imagenet',
-                           f'--workdir={workdir}', *args], cwd=root, env=env,
-                          stdout=subprocess.PIPE, stderr=log, text=True)
+         jax.config.jax_compilation_cache_dir or '', **env}
+  command = ['-m', 'experiments.vit_imagenet'] if script is None else ['-c', script]
+  return subprocess.Popen([sys.executable, *command, f'--workdir={workdir}', *args], cwd=root,
+                          env=env, stdout=subprocess.PIPE, stderr=log, text=True)
 
 
 def _wait_for(proc, prefix: str, timeout: float = 300) -> str:
@@ -1066,6 +1067,86 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
             {k: want[k] for k in EXACT if k not in close})
     np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=1e-6)
   assert all(r['cache'] for r in rows[1:])
+
+
+# The CLI, its stop's save held in flight until a signal interrupts the wait for it
+# (orbax's own wait, in which a second signal lands in a real run), for as long as a
+# test needs: orbax finalises the save only then. A file says when the wait begins.
+_HELD_STOP_SAVE = """
+import os, threading
+from experiments import elastic, vit_imagenet
+from pipejax import checkpoints, runtime
+started = checkpoints.Checkpoints.save
+interrupted = threading.Event()
+
+def save(self, step, state, meta, wait=False):
+  if not wait:  # not the save of a stop
+    return started(self, step, state, meta)
+  finalize = self.manager._finalize_checkpoint
+  self.manager._finalize_checkpoint = lambda s: (interrupted.wait(300), finalize(s))
+  started(self, step, state, meta)
+  open(os.environ['SAVE_STARTED'], 'w').close()
+  try:
+    self.manager.wait_until_finished()
+  except KeyboardInterrupt:
+    interrupted.set()
+    raise
+
+checkpoints.Checkpoints.save = save
+runtime.exit_now(elastic.cli(vit_imagenet.__file__, task='vit'))
+"""
+
+
+def test_a_second_sigterm_during_the_stop_save_aborts_with_130_keeping_the_checkpoint(tmp_path):
+  """The CLI, resumed from the checkpoint of epoch 0, gets SIGTERM, then a
+  second one (after the trainer took the first up and 0.1 s later: not a
+  copy of it) while the stop's checkpoint is being written: exit 130 and one
+  line, no traceback; the previous checkpoint is there byte for byte, the
+  one in flight is finished on the way out (no partial one is left), and
+  the same command resumes from it and finishes."""
+  workdir, profile = str(tmp_path / 'run'), str(tmp_path / 'p.json')
+  config = _config(profile, **{'train.max_steps_per_epoch': 4, 'pipeline.micro_batches': 4,
+                               'cache.enabled': True, 'cache.policy': 'always'})  # as _cli's
+  with pytest.raises(TrainingInterrupted):  # at epoch 0's end
+    elastic.run(config, workdir, task='vit', stop_requested=_stop_at(4))
+  previous = os.path.join(workdir, 'checkpoints', '4')
+  before = _files(previous)
+  started = tmp_path / 'save-started'
+  with open(tmp_path / 'stderr.txt', 'w') as log:
+    proc = _cli(workdir, profile, log, _HELD_STOP_SAVE, SAVE_STARTED=str(started))
+    try:
+      # Its handlers are set; the first poll comes after step 5, past the transition.
+      _wait_for(proc, 'resuming from')
+      proc.send_signal(signal.SIGTERM)
+      deadline = time.time() + 300
+      while not started.exists():  # polled after step 5: the stop's save waits
+        assert proc.poll() is None and time.time() < deadline, 'the stop was never saved'
+        time.sleep(0.02)
+      time.sleep(2 * resume.StopOnSignal.SAME_DELIVERY_SECONDS)
+      proc.send_signal(signal.SIGTERM)
+      out = proc.communicate(timeout=120)[0]
+    finally:
+      if proc.poll() is None:  # a failed check: no run left behind
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == resume.EXIT_ABORTED, out
+    assert 'SIGTERM: finishing the current step' in out
+    aborted = (tmp_path / 'stderr.txt').read_text()
+    assert 'aborted (nothing saved after the last checkpoint)' in aborted
+    assert _files(previous) == before
+    # Closing the checkpoints waited for the save in flight: no partial one is left.
+    assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4', '5']
+    assert [r['epoch'] for r in _rows(workdir)] == [0]
+
+    proc = _cli(workdir, profile, log)
+    out = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 0, out
+  assert f'resuming from {os.path.join(workdir, "checkpoints", "5")}' in out
+  assert 'unreadable' not in out and checkpoints.set_aside(workdir) == []
+  rows = _rows(workdir)
+  assert [r['epoch'] for r in rows] == [0, 1, 2] and rows[-1]['step'] == 12
+  assert os.path.exists(os.path.join(workdir, 'summary.json'))
+  assert 'Traceback' not in aborted, aborted[-3000:]  # the abort is one line
 
 
 def test_a_stop_requested_after_the_last_epoch_lets_the_run_finish(tmp_path):
