@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import signal
 import threading
 import time
@@ -117,11 +118,23 @@ def check_identity(meta: dict, ident: dict[str, Any], path: str) -> None:
                            f'use another --workdir, or --config.resume=False to start over')
 
 
+class SecondSignal(KeyboardInterrupt):
+  """What :class:`StopOnSignal` raises on a second signal."""
+
+
+def _not_a_second_signal(record: logging.LogRecord) -> bool:
+  """A logging filter: False for a record of a :class:`SecondSignal` (orbax
+  logs an exception in the checkpoint wait it interrupts as a failed save,
+  with a traceback, although the save goes on and the abort is one line)."""
+  return not (record.exc_info and isinstance(record.exc_info[1], SecondSignal))
+
+
 class StopOnSignal:
   """While active, the first SIGTERM or SIGINT asks training to stop after
   the current step (:attr:`requested`, polled by the trainer, which then
   saves and raises :class:`pipejax.trainer.TrainingInterrupted`); a second
-  one raises ``KeyboardInterrupt`` at once. One repeat of the first signal
+  one raises :class:`SecondSignal`, a ``KeyboardInterrupt``, at once (absl's
+  log, orbax's, leaves it out while active). One repeat of the first signal
   counts as a copy of it when it comes before the trainer has polled the
   request, or within :attr:`SAME_DELIVERY_SECONDS`: a tool that signals both
   the process and its group (GNU ``timeout``; a terminal's Ctrl-C reaches
@@ -162,7 +175,7 @@ class StopOnSignal:
     if self.requested:
       for s in self.SIGNALS:  # a third signal gets the default behaviour
         signal.signal(s, signal.SIG_DFL)
-      raise KeyboardInterrupt(f'second signal ({name})')
+      raise SecondSignal(f'second signal ({name})')
     self.requested, self._first = True, (signum, now)
     self.log(f'{name}: finishing the current step, saving a checkpoint, then exiting with code '
              f'{EXIT_INTERRUPTED} (a second signal aborts at once)')
@@ -171,9 +184,11 @@ class StopOnSignal:
     if threading.current_thread() is threading.main_thread():
       for s in self.SIGNALS:
         self._previous[s] = signal.signal(s, self._handle)
+      logging.getLogger('absl').addFilter(_not_a_second_signal)
     return self
 
   def __exit__(self, *exc) -> None:
     for s, handler in self._previous.items():
       signal.signal(s, handler)
     self._previous.clear()
+    logging.getLogger('absl').removeFilter(_not_a_second_signal)
