@@ -11,7 +11,10 @@ them). Its sources do not support batched reads (``__getitems__`` fails) and
 its SQuAD answers are random strings with ``answer_start`` beyond the
 context, so most SQuAD windows are labelled with ``[CLS]``.
 """
+import collections
 import os
+import re
+import string
 import subprocess
 import sys
 
@@ -201,6 +204,148 @@ def test_squad_windows_label_the_answer_tokens():
     in_context = host.offsets[f, :, 0] >= 0
     assert np.all(inputs['token_type_ids'][f][in_context] == 1)
     assert tokenizer.cls_token_id not in ids[in_context]
+
+
+def _official_squad(predictions, answers):
+  """EM and F1 (percent) of the official SQuAD v1.1 script, written out here
+  apart from :mod:`experiments.text_eval`."""
+  def normalise(text):
+    text = ''.join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return ' '.join(re.sub(r'\b(a|an|the)\b', ' ', text).split())
+
+  def f1(prediction, truth):
+    predicted, gold = normalise(prediction).split(), normalise(truth).split()
+    same = sum((collections.Counter(predicted) & collections.Counter(gold)).values())
+    if not same:
+      return 0.0
+    precision, recall = same / len(predicted), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+  em = [max(float(normalise(p) == normalise(g)) for g in answers[q])
+        for q, p in predictions.items()]
+  f1s = [max(f1(p, g) for g in answers[q]) for q, p in predictions.items()]
+  return 100 * np.mean(em), 100 * np.mean(f1s)
+
+
+def _squad_qa_examples():
+  """Five questions: a context long enough for several windows, several gold
+  answers, an article and punctuation around answers."""
+  long = ('Paris is the capital of France. ' * 6 + 'The Eiffel Tower was built in 1889 by '
+          'Gustave Eiffel. ' + 'Lyon is a city. ' * 6)
+  rows = [
+      ('q-built', 'When was the tower built?', long, ['1889']),
+      ('q-tall', 'What is the tallest structure in Paris?',
+       'The Eiffel Tower is the tallest structure in Paris.', ['Eiffel Tower']),
+      ('q-port', 'Which city is a port?',
+       'Lyon is a city in France. Marseille is a port on the Mediterranean Sea.', ['Marseille']),
+      ('q-moon', 'Who was aboard Apollo 11?',
+       'Apollo 11 landed on the Moon on July 20, 1969, with Neil Armstrong aboard.',
+       ['Neil Armstrong', 'Armstrong']),
+      ('q-boil', 'At what temperature does water boil?',
+       'Water boils at 100 degrees Celsius at sea level.', ['100 degrees Celsius']),
+  ]
+  return [{'id': qid, 'question': question, 'context': context,
+           'answers': {'text': np.array(golds),
+                       'answer_start': np.array([context.index(g) for g in golds])}}
+          for qid, question, context, golds in rows]
+
+
+def test_squad_evaluator_scores_an_oracle_model_against_the_official_metric():
+  """The real QA evaluation path (eval loader, :class:`text_eval.Predictor`,
+  post-processing, metric) on MiniLM's tokenized windows, with a model whose
+  logits peak on a chosen character span in every window that holds it (and
+  lower, on a decoy, in the others). Peaks on the gold spans: EM = F1 = 100.
+  Peaks moved (a word more, an article more, a wrong city, the second gold
+  answer): EM and F1 equal the official SQuAD v1.1 metric of those spans,
+  computed here, and EM is below 100. The model finds each row's logits by
+  its input IDs, so rows mixed up by the predictor would score wrong."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from pipejax.data import ArraySource, Loader, ShardedLoader  # noqa: PLC0415
+  tokenizer = text_data.load_tokenizer(fixtures.minilm_dir())
+  examples = _squad_qa_examples()
+  inputs, host = text_data.squad_eval_features(tokenizer, examples, 48, 24)
+  features = len(host.example_index)
+  assert features > 8 and features % 8  # several batches, the last one padded
+  assert len({tuple(ids) for ids in inputs['input_ids']}) == features  # rows told apart
+  answers = {e['id']: [str(t) for t in e['answers']['text']] for e in examples}
+
+  def oracle(spans):
+    """Logits ``[features, seq]`` peaking (10) on ``spans[example]`` = (first
+    char, end char) in the windows that hold it, on a decoy elsewhere (5 on
+    the first context token); and the windows that hold it."""
+    start = np.zeros(inputs['input_ids'].shape, np.float32)
+    end = np.zeros_like(start)
+    holding = []
+    for f, example in enumerate(host.example_index):
+      first, stop = spans[example]
+      offsets = host.offsets[f]
+      s = np.flatnonzero(offsets[:, 0] == first)
+      e = np.flatnonzero(offsets[:, 1] == stop)
+      if len(s) and len(e):
+        start[f, s[0]] = end[f, e[0]] = 10.0
+        holding.append((f, s[0], e[0]))
+      else:
+        decoy = np.flatnonzero(offsets[:, 0] >= 0)[0]
+        start[f, decoy] = end[f, decoy] = 5.0
+    assert {host.example_index[f] for f, _, _ in holding} == set(range(len(examples)))
+    return {'input_ids': inputs['input_ids'], 'start': start, 'end': end}, holding
+
+  class Oracle:  # what the predictor reads of a pipejax model
+    input_keys = ('input_ids',)
+
+    @staticmethod
+    def logits(params, batch):
+      match = jnp.all(batch['input_ids'][:, None, :] == params['input_ids'][None], -1)
+      match = match.astype(jnp.float32)
+      return match @ params['start'], match @ params['end']
+
+  class Trainer:  # what the evaluator reads of a pipejax Trainer
+    devices = jax.devices()[:8]
+    model = Oracle
+
+    def __init__(self, eval_loader):
+      self.eval_loader = eval_loader
+
+    def eval_batch_size(self):
+      return 8
+
+  gold = {i: (int(e['answers']['answer_start'][0]),
+              int(e['answers']['answer_start'][0]) + len(e['answers']['text'][0]))
+          for i, e in enumerate(examples)}
+  params, holding = oracle(gold)
+  # The gold windows are the training labels' too, and the long context's
+  # answer lies in the overlap of two windows.
+  train = text_data.squad_train_features(tokenizer, examples, 48, 24)
+  np.testing.assert_array_equal(train['input_ids'], inputs['input_ids'])
+  labelled = {(f, s, e) for f, (s, e) in enumerate(zip(train['start_positions'],
+                                                       train['end_positions'], strict=True))
+              if s != 0}
+  assert labelled == {(f, int(s), int(e)) for f, s, e in holding}
+  assert np.sum(host.example_index[[f for f, _, _ in holding]] == 0) >= 2
+  source = ArraySource(inputs)
+  for loader in (Loader(source, 8, shuffle=False, drop_remainder=False),
+                 ShardedLoader(source, 8, 2, (0, 1), shuffle=False, drop_remainder=False)):
+    evaluator = text_eval.SquadEvaluator(host)
+    assert evaluator(Trainer(loader), params) == {
+        'eval_accuracy': 1.0, 'eval_exact_match': 100.0, 'eval_f1': 100.0,
+        'eval_questions': len(examples)}
+  contexts = [e['context'] for e in examples]
+  moved = dict(gold)
+  moved[0] = (gold[0][0], contexts[0].index('1889 by') + len('1889 by'))  # a word more
+  moved[1] = (contexts[1].index('The Eiffel'), gold[1][1])  # an article more: still exact
+  moved[2] = (0, len('Lyon'))  # the wrong city
+  moved[3] = (contexts[3].index('Armstrong'), gold[3][1])  # the second gold answer
+  params, _ = oracle(moved)
+  predicted = {e['id']: contexts[i][slice(*moved[i])] for i, e in enumerate(examples)}
+  assert predicted['q-built'] == '1889 by' and predicted['q-tall'] == 'The Eiffel Tower'
+  em, f1 = _official_squad(predicted, answers)
+  assert em == pytest.approx(60.0) and f1 < 100.0  # q-built and q-port are not exact
+  metrics = evaluator(Trainer(Loader(source, 8, shuffle=False, drop_remainder=False)), params)
+  assert metrics['eval_exact_match'] == pytest.approx(em, abs=1e-9)
+  assert metrics['eval_f1'] == pytest.approx(f1, abs=1e-9)
+  assert metrics['eval_accuracy'] == pytest.approx(f1 / 100, abs=1e-12)
+  assert metrics['eval_questions'] == len(examples)
 
 
 def test_a_stride_a_long_question_leaves_no_room_for_is_one_clear_error():

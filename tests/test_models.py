@@ -122,6 +122,64 @@ def test_regression_head_loss_is_mse_of_the_hf_logits():
                              [2 * np.mean(error)], rtol=1e-4)
 
 
+@pytest.mark.parametrize('kind', ['vit', 'bert-classification'])
+def test_classification_loss_is_cross_entropy_of_the_hf_logits(kind):
+  """The classifier's loss is the softmax cross-entropy of HF's own logits
+  (a float64 numpy log-softmax) over the rows ``example_mask`` keeps, whose
+  masked rows hold labels the head lacks (NaN if they leaked); ``correct``
+  counts the kept rows whose label is the argmax, never a masked one, even a
+  masked row labelled right. The head bias's gradient is the mean of
+  softmax - one-hot over the kept rows."""
+  created = fixtures.tiny(kind)
+  model = created.model
+  classes = model.hf_config.num_labels
+  batch = fixtures.batch(kind, model, 8, seed=6)
+  hf_model = created.hf_class(model.hf_config, _do_init=False)
+  hf_params = model.to_hf(created.params)
+  if kind == 'vit':  # the HF wrapper takes NCHW
+    out = hf_model(np.transpose(batch['pixel_values'], (0, 3, 1, 2)), params=hf_params)
+  else:
+    out = hf_model(batch['input_ids'], batch['attention_mask'], batch['token_type_ids'],
+                   params=hf_params)
+  logits = np.asarray(out.logits, np.float64)
+  assert logits.shape == (8, classes)
+  top = logits.max(-1, keepdims=True)
+  logp = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
+  probs = np.exp(logp)
+  predicted = np.argmax(logits, -1)
+  # Rows 0, 3, 6 labelled right, the others wrong (a class other than the argmax).
+  labels = np.where(np.isin(np.arange(8), [0, 3, 6]), predicted,
+                    (predicted + 1 + np.arange(8) % (classes - 1)) % classes).astype(np.int32)
+  assert np.sum(labels == predicted) == 3
+  rows = np.arange(8)
+
+  def reference(keep):
+    loss = -np.mean(logp[rows[keep], labels[keep]])
+    bias_grad = np.mean(probs[keep] - np.eye(classes)[labels[keep]], axis=0)
+    return loss, float(np.sum(labels[keep] == predicted[keep])), bias_grad
+
+  loss_fn = jax.jit(jax.value_and_grad(lambda p, b: model.loss(p, b), has_aux=True))
+  (loss, metrics), grads = loss_fn(created.params, {**batch, 'labels': labels})
+  want_loss, want_correct, want_grad = reference(np.ones(8, bool))
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+  assert (float(metrics['correct']), float(metrics['count'])) == (want_correct, 8.0)
+  np.testing.assert_allclose(np.asarray(grads['head']['classifier']['bias']), want_grad,
+                             atol=1e-6, rtol=1e-4)
+  # Masked rows 2, 5 (wrong) and 6 (right): labels out of range, then right.
+  mask = np.array([1, 1, 0, 1, 1, 0, 0, 1], np.float32)
+  keep = mask > 0
+  want_loss, want_correct, want_grad = reference(keep)
+  assert want_correct == 2.0  # rows 0 and 3; row 6 is masked
+  for poison in (classes + 7, predicted):
+    poisoned = np.where(keep, labels, poison).astype(np.int32)
+    (loss, metrics), grads = loss_fn(created.params,
+                                     {**batch, 'labels': poisoned, 'example_mask': mask})
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    assert (float(metrics['correct']), float(metrics['count'])) == (want_correct, 5.0)
+    np.testing.assert_allclose(np.asarray(grads['head']['classifier']['bias']), want_grad,
+                               atol=1e-6, rtol=1e-4)
+
+
 def test_question_answering_counts_an_example_right_only_unmasked():
   """SQuAD's head: an example is right when both its start and its end are
   the argmax of HF's own logits; padding (``example_mask`` 0) is never
