@@ -20,15 +20,19 @@ TINY = {
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(kind: str, num_layers: int = 4, dropout: float = 0.0) -> models.Created:
-  """A tiny random model of ``kind`` with ``num_layers`` blocks.
+def tiny(kind: str, num_layers: int = 4, dropout: float = 0.0,
+         initializer_range: float = 0.02) -> models.Created:
+  """A tiny random model of ``kind`` with ``num_layers`` blocks (weights of
+  standard deviation ``initializer_range``: HF's 0.02 leaves attention
+  almost uniform, so its query and key gradients almost 0; comparisons of
+  gradients take a larger one).
 
   ``kind`` is a model kind, or ``'bert-regression'``: a
   ``'bert-classification'`` model with one output (STS-B's MSE head).
   """
   base = TINY['vit' if kind == 'vit' else 'bert']
   overrides = dict(base, num_hidden_layers=num_layers, hidden_dropout_prob=dropout,
-                   attention_probs_dropout_prob=dropout)
+                   attention_probs_dropout_prob=dropout, initializer_range=initializer_range)
   if kind == 'bert-question_answering':
     overrides['num_labels'] = 2
   if kind == 'bert-regression':

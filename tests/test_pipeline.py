@@ -12,6 +12,10 @@ from pipejax import schedule as schedule_lib
 from tests import fixtures
 
 NAN = float('nan')
+# The tiny models' initial standard deviation: at HF's 0.02 attention is
+# almost uniform, and its query and key gradients (about 1e-6) would pass any
+# absolute tolerance left at 0 (see _grad_err).
+INIT = 0.2
 
 # (model, K, schedule, stage sizes or None for even). Tiny models have L=4
 # blocks = 10 units (L=3: 8 units, so K=8 can be even).
@@ -45,7 +49,7 @@ def _layers(sizes):
 
 def _case(kind, k, sizes, frozen=0):
   num_layers = _layers(sizes) + frozen
-  created = fixtures.tiny(kind, num_layers=num_layers)
+  created = fixtures.tiny(kind, num_layers=num_layers, initializer_range=INIT)
   partition = (part.Partition(num_layers, frozen, sizes) if sizes else
                part.even(num_layers, k, frozen))
   return created, partition
@@ -83,8 +87,14 @@ def _beside_sequential(created, partition, plan, batch, reference, devices=None)
   return pipe, stage_params, mine, ref
 
 
-def _max_err(a, b):
-  return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)))
+def _grad_err(a, b):
+  """The largest difference of a leaf of ``a`` from ``b``'s, relative to the
+  leaf's size in ``b`` plus a thousandth of the largest leaf's (for leaves
+  that are 0 but for rounding, such as a key bias's gradient): a leaf left
+  at 0, or another leaf's, gives about 1."""
+  floor = 1e-3 * max(float(jnp.max(jnp.abs(y))) for y in jax.tree.leaves(b))
+  return max(jax.tree.leaves(jax.tree.map(
+      lambda x, y: float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + floor)), a, b)))
 
 
 @pytest.mark.parametrize('kind,k,schedule,sizes', CASES)
@@ -103,7 +113,7 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
   for key, value in ref_metrics.items():  # correct, or a regression's squared_error
     assert float(metrics[key]) == pytest.approx(float(value), rel=1e-5), key
   got = _canonical(grads, partition, params)
-  assert _max_err(got, ref_grads) <= 1e-5
+  assert _grad_err(got, ref_grads) <= 1e-3
   # Grads come back in the layout and sharding of the parameters.
   for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(stage_params), strict=True):
     assert g.shape == p.shape
@@ -141,7 +151,7 @@ def _assert_equals_sequential(kind, k, sizes, micro, schedule):
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
   assert float(metrics['count']) == len(batch['labels'])
   assert float(metrics['correct']) == float(ref_metrics['correct'])
-  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  assert _grad_err(_canonical(grads, partition, params), ref_grads) <= 1e-3
 
 
 def _gpipe_backwards_in_forward_order(num_stages, num_micro_batches):
@@ -229,7 +239,7 @@ def test_frozen_prefix_input_equals_sequential_on_active_layers():
     err = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a[frozen:] - b[frozen:]))),
                        got[key], ref_grads[key])
     assert max(jax.tree.leaves(err)) <= 1e-5
-  assert _max_err(got['head'], ref_grads['head']) <= 1e-5
+  assert _grad_err(got['head'], ref_grads['head']) <= 1e-3
 
 
 def test_same_plan_compiles_once_and_new_plan_compiles_again():
@@ -255,7 +265,7 @@ def test_plans_whose_slots_hold_half_blocks_do_not_share_a_program():
   attention alone and stage 1 an MLP alone. Everything else in their program
   key is the same: the second must be traced for its half blocks, not run
   by the first's program (which runs both halves in every slot)."""
-  created = fixtures.tiny('vit', num_layers=4)
+  created = fixtures.tiny('vit', num_layers=4, initializer_range=INIT)
   model, params = created.model, created.params
   whole, halves = part.Partition(4, 1, (2, 2, 3)), part.Partition(4, 2, (1, 1, 3))
   assert whole.tables.num_slots == halves.tables.num_slots == 1
@@ -284,6 +294,21 @@ def test_eval_forward_only_matches_sequential():
   assert float(metrics['correct']) == float(ref_metrics['correct'])
 
 
+def _poisoned_targets(batch):
+  """``batch`` with targets no real row has: class labels and answer
+  positions out of range, regression targets of 1e6 (each moves the loss,
+  if it is not NaN, far beyond any tolerance if a padded row counted)."""
+  out = dict(batch)
+  if 'labels' in out:
+    labels = out['labels']
+    out['labels'] = (np.full_like(labels, 1e6) if labels.dtype.kind == 'f'
+                     else labels + 1000)
+  for key in ('start_positions', 'end_positions'):
+    if key in out:
+      out[key] = out[key] + 1000
+  return out
+
+
 @pytest.mark.parametrize('kind,k,schedule,sizes,replicas,micro', [
     ('vit', 2, '1f1b', None, 4, 2),
     ('bert-question_answering', 4, 'gpipe', (1, 2, 4, 3), 2, 2),
@@ -299,7 +324,7 @@ def test_a_padded_batch_trains_on_its_real_rows_only(kind, k, schedule, sizes, r
   model, params = created.model, created.params
   size, count = 16, 11  # replica shares of 16 // R rows: the later ones hold the padding
   real = fixtures.batch(kind, model, count, seed=k)
-  junk = fixtures.batch(kind, model, size - count, seed=k + 100)
+  junk = _poisoned_targets(fixtures.batch(kind, model, size - count, seed=k + 100))
   padded = {key: np.concatenate([real[key], junk[key]]) for key in real}
   padded['example_mask'] = (np.arange(size) < count).astype(np.float32)
   plan = pipeline.Plan(partition, replicas, micro, schedule)
@@ -307,7 +332,7 @@ def test_a_padded_batch_trains_on_its_real_rows_only(kind, k, schedule, sizes, r
       created, partition, plan, padded, real, devices=jax.devices()[:k * replicas])
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
   assert float(metrics['count']) == count
-  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  assert _grad_err(_canonical(grads, partition, params), ref_grads) <= 1e-3
   eval_loss, eval_metrics = pipe.eval_fn(plan, stage_params)(stage_params, padded,
                                                              jax.random.PRNGKey(0))
   assert abs(float(eval_loss) - float(ref_loss)) <= 1e-5
@@ -321,7 +346,7 @@ def test_a_padded_batch_after_the_frozen_prefix_trains_on_its_real_rows_only():
   created, partition = _case('vit', 2, None, frozen=2)
   model, params = created.model, created.params
   real = fixtures.batch('vit', model, 9, seed=6)
-  junk = fixtures.batch('vit', model, 7, seed=7)
+  junk = _poisoned_targets(fixtures.batch('vit', model, 7, seed=7))
   padded = {key: np.concatenate([real[key], junk[key]]) for key in real}
   feed = {'hidden': np.asarray(model.hidden_states(params, padded, upto_layer=2)),
           'labels': padded['labels'], 'example_mask': (np.arange(16) < 9).astype(np.float32)}
@@ -338,7 +363,7 @@ def test_dropout_is_reproducible_between_forward_and_recompute(replicas, micro):
   """With dropout, FWD and the BWD recompute must draw the same masks, and
   every micro-batch of every replica masks of its own (key ``fold_in(rng,
   r·M + m)``): the pipeline's gradient equals autodiff of those masks."""
-  created = fixtures.tiny('vit', num_layers=4, dropout=0.3)
+  created = fixtures.tiny('vit', num_layers=4, dropout=0.3, initializer_range=INIT)
   model, params = created.model, created.params
   partition = part.even(4, 2)
   pipe = pipeline.Pipeline(model, devices=jax.devices()[:2 * replicas])
@@ -355,7 +380,7 @@ def test_dropout_is_reproducible_between_forward_and_recompute(replicas, micro):
 
   ref_loss, ref_grads = jax.value_and_grad(ref)(params)
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
-  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  assert _grad_err(_canonical(grads, partition, params), ref_grads) <= 1e-3
   no_dropout = model.loss(params, batch)[0]
   assert abs(float(loss) - float(no_dropout)) > 1e-4  # dropout really was on
 
@@ -393,7 +418,7 @@ def test_freeze_event_at_the_same_length_reuses_the_program_exactly():
   (the slot tables are runtime data); each gives bit for bit what its own
   unpadded program gives, and padded slots get exactly zero gradient."""
   kind, num_layers = 'vit', 6
-  created = fixtures.tiny(kind, num_layers=num_layers)
+  created = fixtures.tiny(kind, num_layers=num_layers, initializer_range=INIT)
   model, params = created.model, created.params
   wide = part.Partition(num_layers, 1, (3, 3, 2, 3))   # 2 blocks on some stages
   narrow = part.Partition(num_layers, 3, (2, 2, 1, 2))  # 1 block per stage
@@ -478,7 +503,7 @@ def test_a_split_mlp_equals_sequential_and_its_halves_stay_apart(kind, k, schedu
   residual stream) gives the sequential model's loss and gradients; each
   stage holds and updates only its half: the other half's parameters are
   poisoned with NaN on it and get exactly zero gradient there."""
-  created = fixtures.tiny(kind, num_layers=4)
+  created = fixtures.tiny(kind, num_layers=4, initializer_range=INIT)
   model, params = created.model, created.params
   partition = part.Partition(4, 0, sizes, split_mlp=split, mlp_in_keys=model.mlp_in_keys)
   t = partition.tables
@@ -510,7 +535,7 @@ def test_a_split_mlp_equals_sequential_and_its_halves_stay_apart(kind, k, schedu
       g = np.asarray(g)
       assert np.all(g[~owned[key]] == 0.0)  # exactly zero, and not NaN
       assert np.all(np.isfinite(g))
-  assert _max_err(_canonical(grads, partition, params), ref_grads) <= 1e-5
+  assert _grad_err(_canonical(grads, partition, params), ref_grads) <= 1e-3
   # The forward-only program (evaluation) runs the same split.
   eval_loss, _ = pipe.eval_fn(plan, stage_params)(stage_params, batch, jax.random.PRNGKey(0))
   assert abs(float(eval_loss) - float(ref_loss)) <= 1e-5
@@ -526,7 +551,7 @@ def test_a_split_mlp_equals_sequential_and_its_halves_stay_apart(kind, k, schedu
 def test_a_split_mlp_with_dropout_draws_the_unsplit_masks():
   """Dropout in a split MLP draws the masks the whole MLP draws: the same
   training step, split or not, gives the same loss and gradients."""
-  created = fixtures.tiny('vit', num_layers=4, dropout=0.3)
+  created = fixtures.tiny('vit', num_layers=4, dropout=0.3, initializer_range=INIT)
   model, params = created.model, created.params
   whole = part.Partition(4, 0, (3, 2, 2, 3))
   split = part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0, 2), mlp_in_keys=model.mlp_in_keys)
@@ -539,12 +564,12 @@ def test_a_split_mlp_with_dropout_draws_the_unsplit_masks():
         stage_params, batch, jax.random.PRNGKey(7))
     out.append((float(loss), _canonical(grads, partition, params)))
   assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
-  assert _max_err(out[0][1], out[1][1]) <= 1e-5
+  assert _grad_err(out[0][1], out[1][1]) <= 1e-3
   assert abs(out[0][0] - float(model.loss(params, batch)[0])) > 1e-4  # dropout was on
 
 
 def test_a_split_mlp_partition_is_checked():
-  keys = fixtures.tiny('vit', num_layers=4).model.mlp_in_keys
+  keys = fixtures.tiny('vit', num_layers=4, initializer_range=INIT).model.mlp_in_keys
   with pytest.raises(part.PartitionError, match='stage 0 must be followed by another and end '
                                                 'with an MLP sub-layer'):
     part.Partition(4, 0, (2, 3, 2, 3), split_mlp=(0,), mlp_in_keys=keys)  # ends with attn.0
@@ -552,7 +577,7 @@ def test_a_split_mlp_partition_is_checked():
     part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(3,), mlp_in_keys=keys)  # the last stage
   with pytest.raises(part.PartitionError, match='needs mlp_in_keys'):
     part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0,))
-  created = fixtures.tiny('vit', num_layers=4)
+  created = fixtures.tiny('vit', num_layers=4, initializer_range=INIT)
   wrong = part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0,), mlp_in_keys=('dense_1',))
   with pytest.raises(part.PartitionError, match=r"mlp_in_keys \['dense_1'\] are not MLP"):
     part.to_stage_params(created.params, wrong)
