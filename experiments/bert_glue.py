@@ -60,6 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.batch_size = 32
   c.train.learning_rate = 2e-5
   c.train.weight_decay = 0.01
+  c.train.decay_biases_and_norms = False  # BERT's recipe (and HF's Trainer)
+  c.train.max_grad_norm = 1.0
   c.train.warmup_epochs = 0.1
   c.lock()
   return c

@@ -60,6 +60,12 @@ MEANINGS: dict[str, str] = {
                         "still ends with the last epoch",
     'train.learning_rate': "AdamW's peak learning rate",
     'train.weight_decay': "AdamW's decoupled weight decay",
+    'train.decay_biases_and_norms': "whether the weight decay applies to biases and LayerNorm "
+                                    "scales too (False: to the other parameters only, as BERT's "
+                                    "recipe and HF's Trainer do)",
+    'train.max_grad_norm': "> 0: the trained parameters' gradient is scaled down to this global "
+                           "L2 norm before AdamW where it is longer (HF's max_grad_norm); "
+                           "0: not clipped",
     'train.warmup_epochs': 'linear warm-up to the peak learning rate, then cosine decay to 0',
     'train.max_steps_per_epoch': 'caps every epoch and evaluation at this many steps (smoke '
                                  'runs; 0: whole epochs)',

@@ -100,6 +100,9 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f'train.learning_rate must be > 0, got {c.train.learning_rate}')
   if not (np.isfinite(c.train.weight_decay) and c.train.weight_decay >= 0):
     raise ConfigError(f'train.weight_decay must be >= 0, got {c.train.weight_decay}')
+  if not (np.isfinite(c.train.max_grad_norm) and c.train.max_grad_norm >= 0):
+    raise ConfigError(f'train.max_grad_norm must be >= 0 (0: no clipping), got '
+                      f'{c.train.max_grad_norm}')
   if c.train.max_steps_per_epoch < 0:
     raise ConfigError(f'train.max_steps_per_epoch must be >= 0 (0: whole epochs), got '
                       f'{c.train.max_steps_per_epoch}')

@@ -52,6 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.batch_mode = 'constant'  # or 'per_pipeline' (the paper: grows with R)
   c.train.learning_rate = 1e-3
   c.train.weight_decay = 0.05
+  c.train.decay_biases_and_norms = True  # False: AdamW's decay spares biases and LayerNorms
+  c.train.max_grad_norm = 0.0  # > 0: clip the trained parameters' gradient to this norm
   c.train.warmup_epochs = 0.25  # short: the first freeze decision comes after epoch 0
   c.train.max_steps_per_epoch = 0  # 0: whole epochs; > 0 caps them and evaluation (smoke runs)
   c.train.eval_batch_size = 0  # 0: 4 x the starting global batch (forward only)

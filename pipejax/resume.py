@@ -15,7 +15,8 @@ resumed step on), ``train.eval_batch_size`` (evaluation only reads the
 state), ``pipeline.*`` (the plan is recomputed for the devices at
 hand; with ``train.batch_mode=per_pipeline`` the starting global batch must
 stay the same, see :meth:`pipejax.trainer.Trainer.check_resumable`),
-``cache.*``, ``checkpoint.*`` and ``resume``.
+``cache.*``, ``checkpoint.*`` and ``resume``; and a key added later
+(:data:`ADDED_LATER`) at the value that does what runs before it did.
 
 *Exit codes* of the entry points: 0 done, 2 bad input or a refused
 checkpoint (one line), :data:`EXIT_INTERRUPTED` = 75 (``EX_TEMPFAIL``)
@@ -42,6 +43,10 @@ PROGRAM_CHOICES = ('compile_ahead', 'keep_slot_width')
 _EXCLUDED = {'data': ('workers',), 'train': ('epochs', 'eval_batch_size'),
              'freeze': PROGRAM_CHOICES}
 _SECTIONS = ('seed', 'data', 'model', 'train', 'freeze')
+#: Keys added after checkpoints were written without them, and the value
+#: that does what those checkpoints' runs did: at it, a key is left out of
+#: the identity (so such a checkpoint still resumes); at any other, it counts.
+ADDED_LATER = {'train.decay_biases_and_norms': True, 'train.max_grad_norm': 0.0}
 # HF config keys that say which library wrote the config or where it came
 # from, not what the model computes: an upgraded transformers (its
 # ``transformers_version``, ``torch_dtype`` renamed ``dtype``) or a moved
@@ -89,6 +94,9 @@ def identity(config, hf_config: dict, bookkeeping: bool = False,
   if inputs:
     picked['inputs'] = inputs
   flat = json.loads(json.dumps(_flatten(picked), sort_keys=True, default=str))
+  for key, value in ADDED_LATER.items():
+    if key in flat and flat[key] == value:
+      del flat[key]
   return flat if bookkeeping else _meaningful(flat)
 
 

@@ -150,9 +150,25 @@ def _zeros_like(x: jax.Array) -> jax.Array:
   return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
 
 
+#: The parameters that ``train.decay_biases_and_norms=False`` spares from
+#: weight decay, by their leaf's name: biases, and LayerNorm scales.
+UNDECAYED = ('bias', 'scale')
+
+
+def decay_mask(params) -> Any:
+  """``params``' tree of bools: True where a leaf is not named in
+  :data:`UNDECAYED` (the leaves weight decay applies to)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) not in UNDECAYED, params)
+
+
 def optimizer_for(train, steps_per_epoch: int):
   """``(learning-rate schedule, optimizer)`` of a ``config.train`` section:
-  AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0.
+  AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0,
+  its decay sparing biases and LayerNorm scales unless
+  ``decay_biases_and_norms``, after clipping the gradient to the global norm
+  ``max_grad_norm`` where that is > 0 (both keys optional: absent, every
+  parameter decays and nothing is clipped, as before they existed).
 
   The schedule counts *base steps*, ``steps_per_epoch`` of them an epoch:
   ``update(..., base_steps=n)`` advances it by ``n`` (default 1). With
@@ -171,7 +187,11 @@ def optimizer_for(train, steps_per_epoch: int):
   lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, warmup, total,
                                           end_value=0.0)
   count_dtype = jnp.float32 if train.batch_mode == 'per_pipeline' else jnp.int32
-  return lr, optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(train.weight_decay),
+  clip = train.get('max_grad_norm', 0.0)
+  mask = None if train.get('decay_biases_and_norms', True) else decay_mask
+  return lr, optax.chain(*([optax.clip_by_global_norm(clip)] if clip > 0 else []),
+                         optax.scale_by_adam(),
+                         optax.add_decayed_weights(train.weight_decay, mask=mask),
                          _scale_by_schedule_in_base_steps(lambda count: -1 * lr(count),
                                                           count_dtype))
 

@@ -899,6 +899,31 @@ def test_identity_names_the_keys_that_differ():
   assert resume.identity(vit_imagenet.get_config(), new_hf) == ident
 
 
+def test_keys_added_later_count_only_away_from_what_runs_before_them_did():
+  """A checkpoint written before ``train.max_grad_norm`` and
+  ``train.decay_biases_and_norms`` existed (its identity without them)
+  resumes with their defaults, which do what it did; other values are
+  another run. The BERT entry points' defaults (BERT's recipe) are too."""
+  config = vit_imagenet.get_config()
+  assert {k: config.train[k.split('.')[1]] for k in resume.ADDED_LATER} == resume.ADDED_LATER
+  ident = resume.identity(config, {'hidden_size': 64})
+  with config.unlocked():
+    del config.train['max_grad_norm'], config.train['decay_biases_and_norms']
+  before = resume.identity(config, {'hidden_size': 64})
+  assert before == ident
+  meta = {'identity': before, 'fingerprint': resume.fingerprint(before)}
+  for key, value in (('max_grad_norm', 1.0), ('decay_biases_and_norms', False)):
+    config = vit_imagenet.get_config()
+    with config.unlocked():
+      config.train[key] = value
+    with pytest.raises(resume.CheckpointMismatch,
+                       match=rf"train.{key}: '<absent>' in the checkpoint, {value!r} now"):
+      resume.check_identity(meta, resume.identity(config, {'hidden_size': 64}), 'ck')
+  from experiments import bert_glue  # noqa: PLC0415
+  glue = resume.identity(bert_glue.get_config(), {})
+  assert (glue['train.max_grad_norm'], glue['train.decay_biases_and_norms']) == (1.0, False)
+
+
 def test_a_damaged_metrics_line_before_the_last_is_an_error_and_the_file_is_kept(tmp_path):
   log = reporting.MetricsLog(str(tmp_path))
   for epoch in range(3):

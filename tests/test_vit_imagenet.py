@@ -655,6 +655,8 @@ def test_the_compilation_cache_is_bounded_and_keeps_earlier_entries_usable(tmp_p
     ({'train.learning_rate': float('inf')}, 'train.learning_rate must be > 0, got inf'),
     ({'train.learning_rate': float('nan')}, 'train.learning_rate must be > 0, got nan'),
     ({'train.weight_decay': -0.1}, 'train.weight_decay must be >= 0'),
+    ({'train.max_grad_norm': -1.0}, 'train.max_grad_norm must be >= 0 (0: no clipping), got -1.0'),
+    ({'train.max_grad_norm': float('nan')}, 'train.max_grad_norm must be >= 0'),
     ({'train.max_steps_per_epoch': -1}, 'train.max_steps_per_epoch must be >= 0'),
     ({'freeze.lambda_frozen': 2.0}, 'freeze.lambda_frozen'),
     ({'freeze.timestep_steps': 5, 'train.batch_mode': 'per_pipeline'},
