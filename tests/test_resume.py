@@ -107,14 +107,20 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
              for d in summary['freeze_decisions'])
 
   # Saved on 8 devices (K=2, R=4), resumed on 4: the plan is recomputed for
-  # F=1 on them (R=2); the maths is the same, only the reduction order differs.
-  elastic.run(config(**{'pipeline.devices': 4}), fewer, task='vit')
+  # F=1 on them (R=2); the maths is the same, only the reduction order differs:
+  # README promises the losses "equal to about 1e-6" (measured: 9.3e-8 relative
+  # in epoch 2, 0 before). An accuracy is a count over the samples, which
+  # such a difference leaves as it is (measured: all equal).
+  fewer_summary = elastic.run(config(**{'pipeline.devices': 4}), fewer, task='vit')
   rows = _rows(fewer)
   assert 'resuming on 4 devices (saved on 8)' in capsys.readouterr().out
   assert [r['frozen_layers'] for r in rows] == [0, 1, 2]
   assert [r['replicas'] for r in rows] == [4, 4, 2]
   np.testing.assert_allclose([r['train_loss'] for r in rows],
-                             [r['train_loss'] for r in expected], rtol=1e-4)
+                             [r['train_loss'] for r in expected], rtol=1e-6)
+  same = ('epoch', 'step', 'train_accuracy', 'eval_accuracy')
+  assert [{k: r[k] for k in same} for r in rows] == [{k: r[k] for k in same} for r in expected]
+  assert fewer_summary['final_eval_accuracy'] == expected[-1]['eval_accuracy']
 
   # A checkpoint from another model is refused in one line before training.
   code = elastic.main(config(**{'model.hidden_size': 32}), workdir, task='vit')
@@ -1055,13 +1061,15 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
   SIGTERM (saves, exit 75), rerun to the end: the rows equal an uninterrupted
   run's; metrics rows survive the SIGKILL. AutoCache is on: the reference
   serves entries advanced through newly frozen blocks, the resumed run
-  rebuilt ones, equal up to the last bit (hence rtol 1e-6 on the losses)."""
+  rebuilt ones, equal up to the last bit: README promises the losses within
+  2e-7 relative and the final accuracy equal (measured: every loss and
+  accuracy bitwise equal)."""
   config = _config(str(tmp_path / 'p-ref.json'), **{'train.max_steps_per_epoch': 4,
                                                      'pipeline.micro_batches': 4,
                                                      'cache.enabled': True,
                                                      'cache.policy': 'always'})
   reference = str(tmp_path / 'reference')
-  elastic.run(config, reference, task='vit')
+  reference_summary = elastic.run(config, reference, task='vit')
   expected = _rows(reference)
 
   workdir, profile = str(tmp_path / 'run'), str(tmp_path / 'p.json')
@@ -1090,7 +1098,11 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
   for got, want in zip(rows, expected, strict=True):
     assert ({k: got[k] for k in EXACT if k not in close} ==
             {k: want[k] for k in EXACT if k not in close})
-    np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=1e-6)
+    np.testing.assert_allclose([got[k] for k in close], [want[k] for k in close], rtol=2e-7)
+  for key in ('train_accuracy', 'eval_accuracy'):  # the final accuracy: equal
+    assert rows[-1][key] == expected[-1][key], key
+  with open(os.path.join(workdir, 'summary.json')) as f:
+    assert json.load(f)['final_eval_accuracy'] == reference_summary['final_eval_accuracy']
   assert all(r['cache'] for r in rows[1:])
 
 

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 from experiments import vit_imagenet
+from models.layered import unit_rng
 from pipejax import autodp, autopipe
 from pipejax import pipeline
 from pipejax import resume
@@ -39,10 +40,12 @@ def _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epo
 
 
 def _trainer(config, num_layers=4, samples=64, *, batch=None, workdir='/nonexistent',
-             devices=None, data=None):
+             devices=None, data=None, dropout=0.0, initializer_range=0.02):
   """A trainer of the tiny ViT on ``samples`` fixed samples (or ``data``),
-  its loaders taking ``batch`` (default ``train.batch_size``) a step."""
-  created = fixtures.tiny('vit', num_layers=num_layers)
+  its loaders taking ``batch`` (default ``train.batch_size``) a step
+  (``dropout``, ``initializer_range``: the model's, see ``fixtures.tiny``)."""
+  created = fixtures.tiny('vit', num_layers=num_layers, dropout=dropout,
+                          initializer_range=initializer_range)
   data = fixtures.batch('vit', created.model, samples, seed=4) if data is None else data
   batch = batch or config.train.batch_size
   loader = Loader(ArraySource(data), batch, seed=0)
@@ -140,6 +143,92 @@ def test_transition_keeps_moments_step_rng_and_head():
   assert staged(trainer.state['active']) > 0
   assert staged(trainer.state['opt']) == 2 * staged(trainer.state['active'])  # mu and nu
   trainer.train_epoch(1, _Bar())  # and training goes on
+
+
+def _after_prefix_reference(model, params, batch, rng, num_frozen, micro_batches,
+                            frozen_dropout=False):
+  """The step's loss, summed metrics and gradients, sequentially: micro-batch
+  i (rows ``[i·b, (i+1)·b)``, the pipeline's ``r·M + m``) gets the key
+  ``fold_in(rng, i)`` and unit u its ``unit_rng(key, u)``; embed and the
+  first ``num_frozen`` blocks run without dropout behind ``stop_gradient``
+  (``frozen_dropout``: with their dropout, what must not happen), the rest
+  and the head with it."""
+  size = len(batch['labels']) // micro_batches
+  units = model.num_units
+
+  def loss(p):
+    losses, metrics = [], []
+    for i in range(micro_batches):
+      mb = jax.tree.map(lambda a, i=i: a[i * size:(i + 1) * size], batch)
+      key = jax.random.fold_in(rng, i)
+      hidden = jax.lax.stop_gradient(model.hidden_states(
+          p, mb, upto_layer=num_frozen, rng=key if frozen_dropout else None,
+          train=frozen_dropout))
+      for unit in range(2 * num_frozen + 1, units - 1):
+        hidden = model.sublayer(p, unit, hidden, mb, unit_rng(key, unit), True)
+      value, m = model.loss_fn(p['head'], hidden, mb, unit_rng(key, units - 1), True)
+      losses.append(value)
+      metrics.append(m)
+    return sum(losses) / micro_batches, jax.tree.map(lambda *x: sum(x), *metrics)
+
+  (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  return float(value), metrics, grads
+
+
+def _relative_err(a, b):
+  """The largest difference of a leaf of ``a`` from ``b``'s relative to the
+  largest entry of ``b``'s leaf (plus 1e-3 of the largest of all, for leaves
+  0 but for rounding); 0-leaves of ``b`` (frozen) must be 0 in ``a`` too."""
+  floor = 1e-3 * max(float(jnp.max(jnp.abs(y))) for y in jax.tree.leaves(b))
+  return max(jax.tree.leaves(jax.tree.map(
+      lambda x, y: float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + floor)), a, b)))
+
+
+def test_dropout_after_a_freeze_spares_the_frozen_prefix_computed_or_cached():
+  """With dropout 0.3 and 2 of 4 blocks frozen, one step computing the
+  frozen prefix and one reading it from AutoCache each give the loss, the
+  accuracy and (read from AdamW's first moment, ``(1 − b1)·g`` after a
+  fresh state) the gradients of a sequential reference written here: frozen
+  blocks without dropout, active blocks and the head with the keys the
+  pipeline folds per micro-batch and unit (measured: loss 1.2e-7 and 0 off,
+  gradients 3.3e-7 and 4.9e-7). The same reference with dropout in the
+  frozen blocks is far off (loss 9.4e-3 and 3.4e-4, gradients 0.8 and 1.3)."""
+  loss_tolerance, grad_tolerance = 1e-6, 1e-5
+  config = _config(alpha=0.5, micro_batches=4, epochs=3)
+  with config.unlocked():
+    config.cache.update(enabled=True, policy='always')
+  trainer, _ = _trainer(config, samples=16, dropout=0.3, initializer_range=0.2)
+  model, b1 = trainer.model, 0.9  # optax.scale_by_adam's default
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  trainer.maybe_transition(0, sample)  # schedule policy, α = 0.5, L = 4: F = 2
+  assert trainer.plan.partition.num_frozen_layers == 2 and trainer.prefix.use_cache
+  previous_mu = None
+  for epoch, source in ((1, 'misses'), (2, 'hits')):  # one step an epoch (16 samples)
+    params = jax.tree.map(np.asarray, trainer.canonical_params())
+    _, step_rng = jax.random.split(trainer.state['rng'])  # as the step splits it
+    plan = trainer.plan
+    batch = next(iter(trainer.train_loader.epoch(epoch)))[1]
+    before = trainer.prefix.stats()[f'cache_{source}']
+    row = trainer.train_epoch(epoch, _Bar())
+    assert row['steps'] == 1
+    assert trainer.prefix.stats()[f'cache_{source}'] == before + 16  # computed, then read
+    ref_loss, ref_metrics, ref_grads = _after_prefix_reference(
+        model, params, batch, step_rng, 2, plan.replicas * plan.micro_batches)
+    assert abs(row['train_loss'] - ref_loss) <= loss_tolerance, (epoch, row['train_loss'],
+                                                                 ref_loss)
+    assert row['train_accuracy'] == float(ref_metrics['correct']) / 16
+    mu = _canonical_moments(trainer)[0]
+    grads = (mu if previous_mu is None else jax.tree.map(lambda m, p: m - b1 * p, mu,
+                                                         previous_mu))
+    grads = jax.tree.map(lambda g: g / (1 - b1), grads)
+    assert _relative_err(grads, ref_grads) <= grad_tolerance, epoch
+    previous_mu = mu
+    poisoned = _after_prefix_reference(model, params, batch, step_rng, 2,
+                                       plan.replicas * plan.micro_batches, frozen_dropout=True)
+    assert abs(poisoned[0] - ref_loss) > 100 * loss_tolerance  # dropout in frozen blocks shows
+    assert _relative_err(poisoned[2], ref_grads) > 1e4 * grad_tolerance
+    # and the active blocks' dropout was on
+    assert abs(float(model.loss(params, batch)[0]) - ref_loss) > 100 * loss_tolerance
 
 
 def _collectives(compiled) -> list[str]:
