@@ -1,6 +1,7 @@
 """AutoCache inside the trainer: the same losses as running the frozen
 prefix, and no sample through a frozen layer twice."""
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -16,14 +17,24 @@ from tests import fixtures
 from tests.test_trainer import _Bar, _config, _trainer
 
 
-def _run(cache: str, dtype: str = 'float32', epochs: int = 4, **cache_config):
+class _Run(NamedTuple):
+  trainer: Trainer
+  losses: np.ndarray  # per epoch
+  used: list  # whether the cache served each epoch
+  fed: list  # see _record_feeds
+  data: dict
+
+
+def _run(cache: str, dtype: str = 'float32', epochs: int = 4, **cache_config) -> _Run:
   """Per-epoch train losses of an elastic run (schedule α=0.5 on 4 blocks:
-  F = 0, 2, 3, 3) with the cache off, or on from the first frozen block."""
+  F = 0, 2, 3, 3) with the cache off, or on from the first frozen block,
+  and what its pipeline was fed."""
   config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4,
                    epochs=epochs)
   with config.unlocked():
     config.cache.update(enabled=cache != 'off', policy='always', dtype=dtype, **cache_config)
-  trainer, _ = _trainer(config)
+  trainer, data = _trainer(config)
+  fed = _record_feeds(trainer)
   sample = next(iter(trainer.train_loader.epoch(0)))[1]
   losses, used = [], []
   for epoch in range(epochs):
@@ -31,7 +42,71 @@ def _run(cache: str, dtype: str = 'float32', epochs: int = 4, **cache_config):
     used.append(trainer.prefix.use_cache)
     if epoch + 1 < epochs:
       trainer.maybe_transition(epoch, sample)
-  return trainer, np.array(losses), used
+  return _Run(trainer, np.array(losses), used, fed, data)
+
+
+def _record_feeds(trainer) -> list:
+  """Spies on what ``trainer`` feeds its pipeline: returns a list that
+  collects ``(sample_ids, depth, feed)`` of every step fed by the frozen
+  prefix (F = depth > 0), the feed copied to the host."""
+  fed, feed = [], trainer._feed  # noqa: SLF001
+
+  def spy(sample_ids, batch, plan):
+    out = feed(sample_ids, batch, plan)
+    if not plan.partition.has_embed:
+      fed.append((np.array(sample_ids), plan.partition.num_frozen_layers,
+                  {k: np.asarray(v) for k, v in out.items()}))
+    return out
+
+  trainer._feed = spy  # noqa: SLF001
+  return fed
+
+
+def _check_rows_as_computed(trainer, data, ids, hidden, depth, tolerance=1e-6):
+  """Row ``i`` of ``hidden [batch, seq, hidden]`` is sample ``ids[i]``'s:
+  a fresh sequential forward of ``data``'s row ``ids[i]`` through embed and
+  the first ``depth`` blocks, with the trainer's parameters (frozen ones
+  never change), within ``tolerance`` times the row's largest value (one
+  float32 rounding is 6e-8 of it; a neighbour's row was off by 0.6 to 0.97
+  in test_a_neighbour_s_entry_fails_the_row_check_not_the_losses)."""
+  model = trainer.model
+  expected = np.asarray(model.hidden_states(
+      trainer.canonical_params(), {k: data[k][ids] for k in model.input_keys},
+      upto_layer=depth)).reshape(len(ids), -1)
+  hidden = np.asarray(hidden, np.float32)
+  assert hidden.shape[0] == len(ids) and hidden.size == expected.size
+  error = np.abs(hidden.reshape(len(ids), -1) - expected).max(1) / np.abs(expected).max(1)
+  wrong = ~(error <= tolerance)  # NaN is wrong
+  assert not wrong.any(), (
+      f'F={depth}: the rows of samples {np.asarray(ids)[wrong].tolist()} are not their '
+      f'forward (off by up to {error.max():.3g} of their largest value)')
+
+
+def _check_fed_as_computed(trainer, data, fed, tolerance=1e-6) -> list[int]:
+  """Every step ``fed`` (:func:`_record_feeds`) carried, row by row, its
+  samples' own prefix output and labels; returns the depths seen, a step
+  each."""
+  for ids, depth, feed in fed:
+    np.testing.assert_array_equal(feed['labels'], data['labels'][ids])
+    _check_rows_as_computed(trainer, data, ids, feed['hidden'], depth, tolerance)
+  return [depth for _, depth, _ in fed]
+
+
+def _serve_a_neighbour(monkeypatch, labels):
+  """Poisons the cache's reads: in every batch read, two samples of the same
+  label get each other's entry. The summed loss and gradient of the batch
+  are unchanged (a permutation of the same terms); only the rows are
+  wrong."""
+  fetch = ActivationCache.fetch
+
+  def swapped(self, ids, *args, **kwargs):
+    hidden = np.array(fetch(self, ids, *args, **kwargs))
+    same = np.nonzero(labels[ids][1:] == labels[ids][0])[0]
+    assert len(same), 'no pair of the same label in the batch'
+    hidden[[0, same[0] + 1]] = hidden[[same[0] + 1, 0]]
+    return hidden
+
+  monkeypatch.setattr(ActivationCache, 'fetch', swapped)
 
 
 @pytest.fixture(scope='module')
@@ -40,16 +115,24 @@ def uncached():
 
 
 def test_cached_training_equals_uncached(uncached):
-  plain_trainer, plain, plain_used = uncached
-  trainer, cached, used = _run('on')
+  plain_trainer, plain, plain_used, plain_fed, data = uncached
+  trainer, cached, used, fed, _ = _run('on')
   assert plain_used == [False] * 4 and used == [False, True, True, True]
   assert [t.frozen_layers for t in trainer.transitions] == [2, 3]
   assert [t.cache for t in trainer.transitions] == [True, True]
   assert [t.cache for t in plain_trainer.transitions] == [False, False]
   # fp32 entries are the prefix's own output, and advanced entries went through
-  # the same blocks: the losses agree to float rounding.
-  np.testing.assert_allclose(cached, plain, rtol=1e-5)
+  # the same blocks: the losses agree to float rounding (measured: equal).
+  np.testing.assert_allclose(cached, plain, rtol=1e-6)
   assert cached[-1] < cached[0]
+  # The losses alone would not see a neighbour's entry served (see
+  # test_a_neighbour_s_entry_fails_the_row_check_not_the_losses): every row
+  # fed is its sample's own prefix output (measured: within 2.2e-7 of each
+  # row's largest value; entries advanced from F = 2 to 3 as close as
+  # computed ones).
+  steps = trainer.train_loader.steps_per_epoch()
+  assert _check_fed_as_computed(trainer, data, fed) == [2] * steps + [3] * 2 * steps
+  assert _check_fed_as_computed(plain_trainer, data, plain_fed) == [2] * steps + [3] * 2 * steps
   stats = trainer.prefix.cache.stats()
   samples = 64
   # Every sample entered at depth 2 (epoch 1) and was advanced to 3 once:
@@ -65,7 +148,8 @@ def test_a_padded_last_batch_trains_the_same_from_the_cache():
   """A train loader that pads its last batch (57 samples in batches of 16:
   the last holds 9, one micro-batch of a replica half padding): the cached
   prefix feeds ``example_mask`` as the computed one does, so the losses
-  agree, and a padded (repeated) sample is cached and advanced once."""
+  agree, a padded (repeated) sample is cached and advanced once, and every
+  row fed, padding too, is its sample's prefix output."""
   def run(cache):
     config = _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4,
                      epochs=3)
@@ -77,18 +161,20 @@ def test_a_padded_last_batch_trains_the_same_from_the_cache():
     trainer = Trainer(created.model, created.params, config, '/nonexistent', loader,
                       Loader(data, 16, shuffle=False, drop_remainder=False),
                       log=lambda _: None)
+    fed = _record_feeds(trainer)
     sample = next(iter(loader.epoch(0)))[1]
     losses = []
     for epoch in range(3):
       losses.append(trainer.train_epoch(epoch, _Bar())['train_loss'])
       if epoch < 2:
         trainer.maybe_transition(epoch, sample)
-    return trainer, np.array(losses)
+    return trainer, np.array(losses), fed, data.arrays
 
-  _, plain = run(False)
-  trainer, cached = run(True)
+  _, plain, _, _ = run(False)
+  trainer, cached, fed, data = run(True)
   assert trainer.prefix.use_cache and trainer.plan.partition.num_frozen_layers == 3
-  np.testing.assert_allclose(cached, plain, rtol=1e-5)
+  np.testing.assert_allclose(cached, plain, rtol=1e-6)
+  assert _check_fed_as_computed(trainer, data, fed) == [2] * 4 + [3] * 4
   stats = trainer.prefix.cache.stats()
   assert stats['repeated_layer_passes'] == 0 and stats['misses'] == 57
   ids, last = list(trainer.train_loader.epoch(3))[-1]  # both paths feed the mask
@@ -98,27 +184,54 @@ def test_a_padded_last_batch_trains_the_same_from_the_cache():
 
 
 def test_bfloat16_entries_bound(uncached):
-  _, plain, _ = uncached
-  _, cached, _ = _run('on', dtype='bfloat16')
+  plain = uncached.losses
+  trainer, cached, _, fed, data = _run('on', dtype='bfloat16')
   # bf16 rounds each stored value by ≤ 2^-8 relative; through the remaining
   # blocks and a few steps the epoch losses moved by 4.7e-6 relative
   # (measured); swapping two samples' entries in every batch moved them by
   # 6.8e-5, so the bound sits between the two.
   np.testing.assert_allclose(cached, plain, rtol=2e-5)
   assert not np.array_equal(cached[1:], plain[1:])  # the rounding is real
+  # Row by row: the fill epoch (F = 2) feeds the prefix's fp32 output, the
+  # next two the bf16 entries advanced to F = 3, rounded twice: measured
+  # within 5.3e-3 of each row's largest value.
+  steps = trainer.train_loader.steps_per_epoch()
+  assert _check_fed_as_computed(trainer, data, fed[:steps]) == [2] * steps
+  assert _check_fed_as_computed(trainer, data, fed[steps:], tolerance=1e-2) == (
+      [3] * 2 * steps)
+  with pytest.raises(AssertionError, match='are not their forward'):
+    _check_fed_as_computed(trainer, data, fed[steps:])  # bf16 is not fp32
 
 
 def test_disk_tier_with_prefetch_equals_uncached(uncached, tmp_path):
-  _, plain, _ = uncached
+  plain = uncached.losses
   # 64 entries of 5x16 float32 (320 bytes): ~20 fit in memory, the rest go to
   # the disk file, read ahead each epoch.
-  trainer, cached, used = _run('on', memory_mb=8000 / 2**20, disk_mb=1.0,
-                               directory=str(tmp_path / 'cache'))
+  trainer, cached, _, fed, data = _run('on', memory_mb=8000 / 2**20, disk_mb=1.0,
+                                       directory=str(tmp_path / 'cache'))
   stats = trainer.prefix.cache.stats()
   assert stats['disk_entries'] > 30 and stats['prefetched'] > 0 and stats['corrupt'] == 0
   assert stats['peak_bytes_in_memory'] <= 8000
-  np.testing.assert_allclose(cached, plain, rtol=1e-5)
+  np.testing.assert_allclose(cached, plain, rtol=1e-6)
   assert stats['repeated_layer_passes'] == 0
+  steps = trainer.train_loader.steps_per_epoch()  # read back from disk, row by row
+  assert _check_fed_as_computed(trainer, data, fed) == [2] * steps + [3] * 2 * steps
+
+
+def test_a_neighbour_s_entry_fails_the_row_check_not_the_losses(uncached, monkeypatch):
+  """The row check above can fail where the losses cannot: a cache read that
+  serves two samples of the same label each other's entry trains to the
+  same losses (measured: equal), and the row check names them."""
+  plain = uncached.losses
+  _serve_a_neighbour(monkeypatch, uncached.data['labels'])
+  trainer, cached, used, fed, data = _run('on')
+  assert used == [False, True, True, True]
+  np.testing.assert_allclose(cached, plain, rtol=1e-6)
+  steps = trainer.train_loader.steps_per_epoch()
+  assert _check_fed_as_computed(trainer, data, fed[:steps]) == [2] * steps  # fill: not read
+  for one in fed[steps:]:  # every step read from the cache was poisoned
+    with pytest.raises(AssertionError, match='are not their forward'):
+      _check_fed_as_computed(trainer, data, [one])
 
 
 def test_randomly_augmented_input_is_not_cached_unless_accepted():
@@ -293,11 +406,8 @@ _REAL_FETCH = ActivationCache.fetch  # the tests below spy on it
 def _check_read_as_computed(trainer, data, ids):
   """The cache's entries for ``ids``, read (never computed), equal a fresh
   forward through the 3 frozen blocks."""
-  model = trainer.model
-  expected = model.hidden_states(trainer.canonical_params(),
-                                 {k: data[k][ids] for k in model.input_keys}, upto_layer=3)
-  np.testing.assert_allclose(_REAL_FETCH(trainer.prefix.cache, ids, _never_computed),
-                             np.asarray(expected), rtol=1e-5, atol=1e-6)
+  _check_rows_as_computed(trainer, data, ids,
+                          _REAL_FETCH(trainer.prefix.cache, ids, _never_computed), 3)
 
 
 def test_samples_an_epoch_dropped_are_computed_together_before_the_next(monkeypatch):

@@ -550,19 +550,31 @@ def test_a_split_mlp_equals_sequential_and_its_halves_stay_apart(kind, k, schedu
 
 def test_a_split_mlp_with_dropout_draws_the_unsplit_masks():
   """Dropout in a split MLP draws the masks the whole MLP draws: the same
-  training step, split or not, gives the same loss and gradients."""
+  training step, split or not, gives the same loss and gradients, those of
+  the sequential model under each micro-batch's key (as in
+  test_dropout_is_reproducible_between_forward_and_recompute)."""
   created = fixtures.tiny('vit', num_layers=4, dropout=0.3, initializer_range=INIT)
   model, params = created.model, created.params
   whole = part.Partition(4, 0, (3, 2, 2, 3))
   split = part.Partition(4, 0, (3, 2, 2, 3), split_mlp=(0, 2), mlp_in_keys=model.mlp_in_keys)
   batch = fixtures.batch('vit', model, 8, seed=2)
+  rng = jax.random.PRNGKey(7)
   out = []
   for partition in (whole, split):
     stage_params = part.to_stage_params(params, partition)
     loss, _, grads = pipeline.Pipeline(model).grad_fn(pipeline.Plan(partition, 2, 2),
-                                                      stage_params)(
-        stage_params, batch, jax.random.PRNGKey(7))
+                                                      stage_params)(stage_params, batch, rng)
     out.append((float(loss), _canonical(grads, partition, params)))
+
+  def ref(p):  # micro-batch i = r·M + m holds rows [2i, 2i + 2), its key fold_in(rng, i)
+    losses = [model.loss(p, jax.tree.map(lambda a: a[2 * i:2 * i + 2], batch),
+                         rng=jax.random.fold_in(rng, i), train=True)[0] for i in range(4)]
+    return sum(losses) / 4
+
+  ref_loss, ref_grads = jax.value_and_grad(ref)(params)
+  for loss, grads in out:  # whole, then split
+    assert abs(loss - float(ref_loss)) <= 1e-5
+    assert _grad_err(grads, ref_grads) <= 1e-3
   assert out[0][0] == pytest.approx(out[1][0], abs=1e-6)
   assert _grad_err(out[0][1], out[1][1]) <= 1e-3
   assert abs(out[0][0] - float(model.loss(params, batch)[0])) > 1e-4  # dropout was on
