@@ -114,15 +114,23 @@ def checksums(packed: dict[str, np.ndarray]) -> dict[str, int]:
           for name, flat in packed.items()}
 
 
+#: ``(saved, wanted)`` dtypes of a scalar that restores cast: the
+#: learning-rate schedule's count, an int32 until per_pipeline batches made it
+#: a float32 (:func:`pipejax.trainer.optimizer_for`).
+CASTS = {('int32', 'float32')}
+
+
 def layout_problem(layout: list, target: Any) -> str | None:
-  """How a packed state's ``layout`` differs from ``target``'s tree, or None."""
+  """How a packed state's ``layout`` differs from ``target``'s tree, or None
+  (a scalar of :data:`CASTS` is no difference)."""
   with_paths, _ = jax.tree_util.tree_flatten_with_path(target)
   if len(layout) != len(with_paths):
     return f'{len(layout)} arrays where the state has {len(with_paths)}'
   for (name, shape, _, saved_path), (path, want) in zip(layout, with_paths):
     here = jax.tree_util.keystr(path)
     wanted = f'{np.dtype(want.dtype).name}{list(want.shape)}'
-    if saved_path != here or f'{name}{list(shape)}' != wanted:
+    cast = not shape and not want.shape and (name, np.dtype(want.dtype).name) in CASTS
+    if saved_path != here or (f'{name}{list(shape)}' != wanted and not cast):
       return f'{saved_path} {name}{list(shape)} where the state has {here} {wanted}'
   return None
 
@@ -145,7 +153,7 @@ def unpack(packed: dict[str, np.ndarray], layout: list, target: Any) -> Any:
     size = int(np.prod(shape, dtype=np.int64))
     if flat is None or offset < 0 or offset + size > flat.size:
       raise ValueError(f'the checkpoint\'s {name} arrays end before the state\'s do')
-    value = flat[offset:offset + size].reshape(shape)
+    value = flat[offset:offset + size].reshape(shape).astype(want.dtype, copy=False)
     out.append(jax.device_put(value, getattr(want, 'sharding', None)))
   return treedef.unflatten(out)
 

@@ -167,8 +167,7 @@ def optimizer_for(train, steps_per_epoch: int):
   AdamW with a linear warm-up of ``warmup_epochs`` and cosine decay to 0,
   its decay sparing biases and LayerNorm scales unless
   ``decay_biases_and_norms``, after clipping the gradient to the global norm
-  ``max_grad_norm`` where that is > 0 (both keys optional: absent, every
-  parameter decays and nothing is clipped, as before they existed).
+  ``max_grad_norm`` where that is > 0.
 
   The schedule counts *base steps*, ``steps_per_epoch`` of them an epoch:
   ``update(..., base_steps=n)`` advances it by ``n`` (default 1). With
@@ -187,8 +186,8 @@ def optimizer_for(train, steps_per_epoch: int):
   lr = optax.warmup_cosine_decay_schedule(0.0, train.learning_rate, warmup, total,
                                           end_value=0.0)
   count_dtype = jnp.float32 if train.batch_mode == 'per_pipeline' else jnp.int32
-  clip = train.get('max_grad_norm', 0.0)
-  mask = None if train.get('decay_biases_and_norms', True) else decay_mask
+  clip = train.max_grad_norm
+  mask = None if train.decay_biases_and_norms else decay_mask
   return lr, optax.chain(*([optax.clip_by_global_norm(clip)] if clip > 0 else []),
                          optax.scale_by_adam(),
                          optax.add_decayed_weights(train.weight_decay, mask=mask),
@@ -725,8 +724,11 @@ class Trainer:
     with ``freeze.keep_slot_width``, the slot width reuses it)."""
     key = pipeline.program_key(plan)
     if key not in self._executables:
+      # The store's key names the schedule's move too: with per_pipeline it
+      # depends on the data's size, which the store's own key does not hold.
       self._executables[key] = self.programs.compile(
-          'step', key, (state_shapes, feed, self.pipe.tables(plan)),
+          'step', (*key, self._base_steps_per_step(plan)),
+          (state_shapes, feed, self.pipe.tables(plan)),
           lambda: self._step_program(plan), donate_argnums=(0,))
 
   def _train_step(self, plan: pipeline.Plan, feed: dict):

@@ -235,6 +235,18 @@ def test_a_state_is_written_packed_and_restores_exactly(tmp_path):
       checkpoints.layout_problem(layout, renamed))
   with pytest.raises(ValueError, match='end before'):
     checkpoints.unpack(dict(packed, float32=packed['float32'][:10]), layout, abstract)
+  # An int32 scalar where the state has a float32 one (the learning-rate
+  # schedule's count before per_pipeline batches made it fractional) is cast;
+  # the other way round, or an array, is still another state.
+  counted = dict(abstract, step=jax.ShapeDtypeStruct((), np.float32,
+                                                    sharding=state['step'].sharding))
+  assert checkpoints.layout_problem(layout, counted) is None
+  cast = checkpoints.unpack(packed, layout, counted)['step']
+  assert cast.dtype == np.float32 and float(cast) == 7.0
+  _, float_layout = checkpoints.pack({'c': np.float32(7)})
+  assert checkpoints.layout_problem(float_layout, {'c': jax.ShapeDtypeStruct((), np.int32)})
+  _, rows_layout = checkpoints.pack({'c': np.arange(2, dtype=np.int32)})
+  assert checkpoints.layout_problem(rows_layout, {'c': jax.ShapeDtypeStruct((2,), np.float32)})
   # A readable checkpoint of another state is refused, not set aside as corrupt.
   with pytest.raises(checkpoints.CheckpointError, match=r"holds another state than this run has "
                                                         r"\(\['step'\] int32\[\] where"):

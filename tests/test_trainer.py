@@ -1203,8 +1203,18 @@ def test_per_pipeline_schedule_ends_with_the_last_epoch(tmp_path, samples, cap):
     counts.append((epochs[-1], float(trainer_lib.schedule_count(trainer.state['opt']))))
     return False
 
+  store_keys, compile_program = [], trainer.programs.compile
+
+  def spy_compile(name, key, *args, **kwargs):  # what the program store files a step under
+    if name == 'step':
+      store_keys.append(key)
+    return compile_program(name, key, *args, **kwargs)
+
+  trainer.programs.compile = spy_compile
   rows = trainer.run(4, progress, stop_requested=spy)['rows']
   spe = trainer.steps_per_epoch
+  # The store's key names each step's move (per_pipeline: it depends on the data's size).
+  assert sorted({key[-1] for key in store_keys}) == ([1.0, 2.5] if cap == 0 else [1.0])
   steps = np.diff([0] + [r['step'] for r in rows])
   assert spe == (5 if cap == 0 else 2) and [r['replicas'] for r in rows][-1] == 4
   assert sorted(set(steps.tolist())) == ([2, 5] if cap == 0 else [2])
