@@ -655,7 +655,7 @@ def test_a_pretrained_head_is_reordered_to_the_data_sets_class_names(tmp_path, c
   config = models.config_for('bert-classification', **{**fixtures.TINY['bert'], 'num_labels': 3},
                              id2label={0: 'CONTRADICTION', 1: 'Neutral', 2: 'entailment'})
   FlaxBertForSequenceClassification(config, seed=5).save_pretrained(str(tmp_path / 'mnli'))
-  created = elastic._pretrained('bert-classification', str(tmp_path / 'mnli'), 3)
+  created = elastic._pretrained('bert-classification', str(tmp_path / 'mnli'), 3, 0)
   batch = fixtures.batch('bert-classification', created.model, 4, seed=1)
   before = np.asarray(jax.jit(created.model.logits)(created.params, batch))
   matched = elastic.match_head_labels(created, tfds_names, 'glue/mnli')
@@ -667,7 +667,7 @@ def test_a_pretrained_head_is_reordered_to_the_data_sets_class_names(tmp_path, c
       capsys.readouterr().out)
   # Now in the data's order: nothing more to do.
   assert elastic.match_head_labels(matched, tfds_names, 'glue/mnli') is matched
-  other = elastic._pretrained('bert-classification', str(tmp_path / 'mnli'), 3)
+  other = elastic._pretrained('bert-classification', str(tmp_path / 'mnli'), 3, 0)
   assert elastic.match_head_labels(other, ('a', 'b', 'c'), 'glue/x') is other
   assert 'warning: the pretrained head names its classes' in capsys.readouterr().out
   unnamed = fixtures.tiny('bert-classification')  # LABEL_0, LABEL_1
