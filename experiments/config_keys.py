@@ -110,11 +110,13 @@ MEANINGS: dict[str, str] = {
     'cache.policy': "'profile': cache a depth when a cache read is measured faster than the "
                     "prefix's forward; 'always'",
     'cache.dtype': "'float32', 'bfloat16' or 'float16' (half the bytes, rounded)",
-    'cache.memory_mb': "MB of host memory for the cache's entries",
+    'cache.memory_mb': "MB of host memory for the cache's entries (with a disk tier, an "
+                       "eighth of it holds the entries read ahead from disk)",
     'cache.disk_mb': 'MB of a checksummed disk file for the entries beyond memory (0: no disk '
                      'tier)',
     'cache.directory': "where the disk tier lives ('': <workdir>/cache)",
-    'cache.on_mismatch': "a cache directory written by another run: 'refuse' or 'clear'",
+    'cache.on_mismatch': "a cache.directory written by another run: 'refuse' or 'clear' "
+                         "(the workdir's own cache/ is cleared)",
     'cache.accept_reused_augmentation': 'cache a randomly augmented prefix input anyway (every '
                                         'epoch then sees the first augmentation)',
 

@@ -153,6 +153,7 @@ class ActivationCache:
     self._seconds = dict.fromkeys(['read_seconds', 'write_seconds', 'prefetch_seconds'], 0.0)
     self._disk = None
     self._free: list[int] = []
+    self._disk_off = False  # a write failed (a full disk): no new disk entries
     if disk_bytes:
       self._disk = DiskTier(directory, identity, self.entry_shape, self.dtype.name, disk_bytes,
                             n, on_mismatch, log)
@@ -242,8 +243,12 @@ class ActivationCache:
 
   def fits(self) -> float:
     """The fraction of this cache's samples (:meth:`num_owned`) that its
-    budgets, memory and disk together, can hold (1: every one)."""
-    slots = self._memory_slots + (self._disk.slots if self._disk is not None else 0)
+    budgets, memory and disk together, can hold (1: every one; after a failed
+    disk write, the disk holds only what it has)."""
+    disk = 0 if self._disk is None else self._disk.slots
+    if self._disk_off:
+      disk = int(np.count_nonzero(self._tier == DISK))
+    slots = self._memory_slots + disk
     return min(1.0, slots / max(self.num_owned, 1))
 
   def room(self) -> int:
@@ -382,9 +387,30 @@ class ActivationCache:
       if to_disk:
         # Under the lock: the prefetcher reads a record only after it is whole.
         rows = np.array(to_disk)
-        self._disk.write(self._slot[ids[rows]], ids[rows], np.full(len(rows), depth), stored[rows])
+        try:
+          self._disk.write(self._slot[ids[rows]], ids[rows], np.full(len(rows), depth),
+                           stored[rows])
+        except OSError as e:  # not cached after all; the rest of the run keeps off the disk
+          self._disk_failed(e)
+          lost = ids[rows]
+          self._tier[lost], self._depth[lost], self._slot[lost] = NONE, -1, -1
+          self._version[lost] += 1
+          self._counts['uncached'] += len(lost)
       self._note_memory()
     self._seconds['write_seconds'] += time.perf_counter() - start
+
+  def _disk_failed(self, error: OSError) -> None:
+    """Stops putting entries on disk after a failed write (a full disk, a
+    file-size limit): the cache only saves time, so what memory does not
+    hold is recomputed from now on, not the run stopped. The entries already
+    there are still read (a record cut short fails its checksum and is
+    recomputed). Lock held."""
+    if not self._disk_off:
+      self._disk_off = True
+      self.log(f'autocache: writing {self._disk.path} failed ({error.strerror or error}); '
+               f'no more entries go to disk in this run (what memory does not hold is '
+               f'recomputed)')
+    self._free = []
 
   def _count_passes(self, ids: np.ndarray, from_depths: np.ndarray, to_depth: int) -> None:
     """Books the frozen-block passes ``from_depths → to_depth`` of ``ids``."""
@@ -541,7 +567,7 @@ class ActivationCache:
       self._tier[:], self._depth[:], self._slot[:] = NONE, -1, -1
       if self._disk is not None:
         self._disk.clear()
-        self._free = list(range(self._disk.slots - 1, -1, -1))
+        self._free = [] if self._disk_off else list(range(self._disk.slots - 1, -1, -1))
 
   def measure_io(self, hidden: np.ndarray) -> tuple[float, float]:
     """``(write_seconds, read_seconds)`` of one batch ``hidden [b, *entry_shape]``
@@ -549,9 +575,13 @@ class ActivationCache:
     cached), for the caching decision."""
     hidden = np.asarray(hidden, np.float32)
     goes_to_memory = (len(self._memory) + len(hidden) <= self._memory_slots
-                      or self._disk is None)
+                      or self._disk is None or self._disk_off)
     if not goes_to_memory:
-      return self._disk.measure(hidden.astype(self.dtype))
+      try:
+        return self._disk.measure(hidden.astype(self.dtype))
+      except OSError as e:
+        with self._lock:
+          self._disk_failed(e)
     start = time.perf_counter()
     stored = [row.astype(self.dtype) for row in hidden]
     write = time.perf_counter() - start

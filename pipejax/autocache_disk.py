@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import uuid
 import zlib
@@ -40,8 +41,12 @@ import numpy as np
 from pipejax import diskcache
 
 FORMAT = 'pipejax-autocache-1'
-MANIFEST, ENTRIES = 'autocache.json', 'entries.bin'
+MANIFEST, ENTRIES, LOCK = 'autocache.json', 'entries.bin', '.lock'
 MAGIC = b'PJAC'
+# The directories this process has claimed (DiskTier._claim): real path of
+# the lock file -> [its lock, the tiers holding it].
+_CLAIMS: dict[str, list] = {}
+_CLAIMS_LOCK = threading.Lock()
 HEADER = np.dtype([('magic', 'S4'), ('sample_id', '<i8'), ('depth', '<i4'), ('crc', '<u4'),
                    ('identity', '<u8'), ('payload_bytes', '<u4')])
 assert HEADER.itemsize == 32
@@ -116,6 +121,8 @@ class DiskTier:
       raise CacheMismatchError(f'cannot use the cache directory {directory}: '
                                f'{e.strerror or e}') from e
     self.path = os.path.join(directory, ENTRIES)
+    self._lock_path, self._lock, self.fd = os.path.join(directory, LOCK), None, -1
+    self._claim()
     manifest_path = os.path.join(directory, MANIFEST)
     expected = {'format': FORMAT, 'identity': identity, 'entry_shape': list(self.entry_shape),
                 'dtype': dtype}
@@ -134,6 +141,7 @@ class DiskTier:
                 f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '
                 f'dtype {found.get("dtype")}')
         if on_mismatch == 'refuse':
+          self.close()
           raise CacheMismatchError(
               f'cache directory {directory} holds activations this run cannot trust ({what}; '
               f'this run: identity {identity!r}, shape {list(self.entry_shape)}, dtype '
@@ -143,7 +151,6 @@ class DiskTier:
       for name in (ENTRIES, MANIFEST):
         if os.path.exists(os.path.join(directory, name)):
           os.remove(os.path.join(directory, name))
-    self.fd = -1
     try:
       self.open()
       if os.fstat(self.fd).st_size > self.slots * self.record_bytes:
@@ -151,8 +158,31 @@ class DiskTier:
       manifest = dict(expected, record_bytes=self.record_bytes, slots=self.slots)
       diskcache.write_atomic(manifest_path, lambda f: json.dump(manifest, f))
     except OSError as e:
+      self.close()
       raise CacheMismatchError(f'cannot use the cache directory {directory}: '
                                f'{e.strerror or e} ({e.filename})') from e
+
+  def _claim(self) -> None:
+    """Locks the directory while this tier uses it: two runs on one
+    directory would truncate each other's file and, their identities equal
+    (runs that differ in ``pipeline.*`` only), read each other's records as
+    valid. The claim is the process's (a run is one): tiers of one process
+    share it. Where the file system cannot lock, nothing keeps runs apart."""
+    if self._lock is not None:
+      return
+    key = os.path.realpath(self._lock_path)
+    try:
+      with _CLAIMS_LOCK:
+        if key not in _CLAIMS:
+          _CLAIMS[key] = [diskcache.FolderLock(self._lock_path), 0]
+        _CLAIMS[key][1] += 1
+        self._lock = key
+    except diskcache.InUseError as e:
+      raise CacheMismatchError(f'cache directory {self.directory} is in use by another run '
+                               f'({e}); give this run another --config.cache.directory') from None
+    except OSError as e:
+      self.log(f'warning: cannot lock {self._lock_path} ({e.strerror or e}): nothing keeps '
+               f'another run from using {self.directory} at the same time')
 
   @staticmethod
   def _manifest(path: str) -> dict | None:
@@ -166,12 +196,21 @@ class DiskTier:
   def open(self) -> None:
     """Opens the entries file again after :meth:`close` (no-op while open)."""
     if self.fd < 0:
+      self._claim()
       self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
 
   def close(self) -> None:
     if self.fd >= 0:
       os.close(self.fd)
       self.fd = -1
+    if self._lock is not None:
+      with _CLAIMS_LOCK:
+        claim = _CLAIMS[self._lock]
+        claim[1] -= 1
+        if not claim[1]:
+          claim[0].release()
+          del _CLAIMS[self._lock]
+      self._lock = None
 
   @property
   def file_bytes(self) -> int:

@@ -591,6 +591,10 @@ def make_cache(config, model: LayeredModel, source, params: Params, workdir: str
   return ActivationCache(
       identity=identity, num_samples=len(source), entry_shape=entry.shape[1:],
       dtype=c.dtype, memory_bytes=int(c.memory_mb * 2**20), disk_bytes=int(c.disk_mb * 2**20),
-      directory=directory, on_mismatch=c.on_mismatch, own_ids=own_ids,
+      # The workdir's own cache/ is this workdir's runs' alone (its lock): one
+      # of another identity is an earlier run's there (resumed with a newer
+      # transformers, another process count; started over), not to refuse.
+      directory=directory, on_mismatch=c.on_mismatch if c.directory else 'clear',
+      own_ids=own_ids,
       reuse=False,  # a run starts with nothing frozen, a resume empty at its depth
       log=lambda msg: log('  ' + msg))  # under the epoch's line, like the run's other events

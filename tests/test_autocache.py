@@ -1,6 +1,7 @@
 """AutoCache: exact values, one pass per frozen layer, budgets, disk safety,
 prefetch, the caching decision, and the multi-host sampler it relies on."""
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -396,6 +397,71 @@ def test_corrupt_disk_entries_are_detected_and_recomputed(tmp_path, where):
   fake.computed.clear()
   cache.fetch(ids, fake.compute_fn(ids, 3))  # the recomputed entry was stored again
   assert fake.computed == []
+
+
+def test_a_failed_disk_write_turns_the_disk_tier_off_not_the_run(tmp_path, monkeypatch):
+  """A full disk (ENOSPC from the entries file's write) is one line, not an
+  error: the batch is served right and not cached, nothing more is written
+  (the free slots are given up, the caching decision times memory), and the
+  entries written before are still read."""
+  fake, lines = FakePrefix(12), []
+  cache = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20,
+                     prefetch_bytes=0, log=lines.append)
+  cache.advance(3)
+  first, rest = np.arange(6), np.arange(6, 12)
+  cache.fetch(first, fake.compute_fn(first, 3))  # on disk
+  writes = []
+
+  def full(*args):
+    writes.append(args)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(cache._disk, 'write', full)  # noqa: SLF001
+  monkeypatch.setattr(cache._disk, 'measure', full)  # noqa: SLF001
+  got = cache.fetch(rest, fake.compute_fn(rest, 3))
+  np.testing.assert_array_equal(got, fake.direct(rest, 3))
+  assert len(writes) == 1 and cache.stats()['uncached'] == 6
+  assert [line for line in lines if 'failed' in line] == [
+      f'autocache: writing {tmp_path / "cache" / "entries.bin"} failed (No space left on '
+      f'device); no more entries go to disk in this run (what memory does not hold is '
+      f'recomputed)']
+  assert cache.room() == 0 and cache.fits() == 0.5  # the six entries on disk, no memory
+  fake.computed.clear()
+  ids = np.arange(12)
+  np.testing.assert_array_equal(cache.fetch(ids, fake.compute_fn(ids, 3)), fake.direct(ids, 3))
+  assert np.concatenate(fake.computed).tolist() == rest.tolist()  # the first six: from disk
+  cache.measure_io(fake.direct(first, 3))
+  assert len(writes) == 1  # neither a store nor the caching decision tried the disk again
+  cache.close()
+
+
+def test_a_cache_directory_another_run_uses_is_refused_and_left_alone(tmp_path):
+  """Two runs on one cache directory would truncate each other's entries
+  and, of equal identity, read each other's records as valid: while another
+  process holds the directory, a tier is refused in one line naming it, and
+  the other run's file is untouched; in one process tiers share the claim,
+  and a closed tier's claim is given back."""
+  fake = FakePrefix(8)
+  ids = np.arange(8)
+  first = make_cache(tmp_path, num_samples=8, memory_bytes=0, disk_bytes=1 << 20, prefetch_bytes=0)
+  first.fetch(ids, fake.compute_fn(ids, 0))
+  first.close()
+  entries = tmp_path / 'cache' / 'entries.bin'
+  before = entries.read_bytes()
+  assert len(before) == 8 * first._disk.record_bytes  # noqa: SLF001
+  with fixtures.lock_held_elsewhere(tmp_path / 'cache' / autocache_disk.LOCK) as pid:
+    with pytest.raises(CacheMismatchError, match=rf'cache directory {tmp_path / "cache"} is in '
+                                                 rf'use by another run \(pid {pid} on '):
+      make_cache(tmp_path, num_samples=8, memory_bytes=0, disk_bytes=1 << 20, reuse=False)
+    assert entries.read_bytes() == before
+  # Once the other run is gone: this process's tiers, two at once, then none.
+  one = make_cache(tmp_path, num_samples=8, memory_bytes=0, disk_bytes=1 << 20)
+  two = make_cache(tmp_path, num_samples=8, memory_bytes=0, disk_bytes=1 << 20)
+  claim = os.path.realpath(tmp_path / 'cache' / autocache_disk.LOCK)
+  assert autocache_disk._CLAIMS[claim][1] == 2  # noqa: SLF001
+  one.close()
+  two.close()
+  assert claim not in autocache_disk._CLAIMS  # noqa: SLF001
 
 
 def test_torn_write_never_reads_as_valid(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipejax import autocache_policy
-from pipejax.autocache import ActivationCache
+from pipejax.autocache import ActivationCache, CacheMismatchError
 from pipejax.data import ArraySource, Loader
 from pipejax.frozen_prefix import FrozenPrefix, make_cache
 from pipejax.trainer import Trainer
@@ -642,6 +642,42 @@ def test_the_run_s_cache_starts_empty_in_a_directory_it_filled_before(tmp_path, 
   again = cache()
   assert again.stats()['disk_entries'] == 0 and not again.contains(ids).any()
   again.close()
+
+
+
+def test_the_workdir_s_own_cache_of_another_identity_is_cleared_a_chosen_one_refused(tmp_path):
+  """``<workdir>/cache`` is the workdir's runs' alone: one an earlier run
+  there left under another identity (a newer transformers, another process
+  count, a start over with another config) is cleared in one line; a
+  ``cache.directory`` the user chose is refused, as ``cache.on_mismatch``
+  says."""
+  own = _config()
+  with own.unlocked():
+    own.cache.update(memory_mb=0.0, disk_mb=1.0, directory=str(tmp_path / 'trainer'))
+  trainer, _ = _trainer(own)
+  for directory in ('', str(tmp_path / 'chosen')):
+    workdir = tmp_path / ('run' if not directory else 'other')
+    folder = workdir / 'cache' if not directory else tmp_path / 'chosen'
+    lines = []
+
+    def cache(seed, directory=directory, workdir=workdir, lines=lines):
+      config = _config()
+      with config.unlocked():
+        config.cache.update(memory_mb=0.0, disk_mb=1.0, directory=directory)
+        config.seed = seed  # another checkpoint identity
+      return make_cache(config, trainer.model, trainer.train_loader.source,
+                        trainer.canonical_params(), str(workdir), lines.append)
+
+    cache(0).close()
+    assert (folder / 'autocache.json').exists()
+    if directory:
+      with pytest.raises(CacheMismatchError, match='holds activations this run cannot trust'):
+        cache(1)
+    else:
+      cache(1).close()
+      cleared = [line for line in lines if 'clearing' in line]
+      assert len(cleared) == 1 and cleared[0].startswith(
+          f"  autocache: clearing {folder}: it held another run's activations (identity ")
 
 
 def test_the_cache_identity_is_the_checkpoint_s(monkeypatch):
