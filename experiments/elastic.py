@@ -165,6 +165,10 @@ def _check_multi_process(c) -> None:
     raise ConfigError('pipeline.micro_batches=0 (profiling M) is not supported with several '
                       'processes (each would time its own steps and could choose another M); '
                       'set it, e.g. --config.pipeline.micro_batches=4')
+  if not c.pipeline.autodp:
+    raise ConfigError('pipeline.autodp=False is not supported with several processes (its one '
+                      "pipeline would run on process 0's devices alone, with no share of the "
+                      'batch for the others)')
 
 
 TASKS = ('vit', 'bert_glue', 'bert_squad')

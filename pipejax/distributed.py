@@ -136,10 +136,13 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
 
 def config_digest(config, workdir: str | None) -> float:
   """What must be the same on every process, as one float64 (48 bits of a
-  SHA-256): the whole configuration but ``distributed.process_id``, and the
-  workdir."""
+  SHA-256): the whole configuration but ``distributed.process_id`` and
+  ``pipeline.profile_path`` (a job of several processes needs
+  ``pipeline.micro_batches`` and never reads the profile; its default is
+  under each host's own home), and the workdir."""
   flat = config.to_dict()
   flat.get('distributed', {}).pop('process_id', None)
+  flat.get('pipeline', {}).pop('profile_path', None)
   # No workdir is '' on every process (not each one's current directory).
   return _digest(json.dumps(flat, sort_keys=True, default=str) + '\0' + (
       os.path.abspath(workdir) if workdir else ''))

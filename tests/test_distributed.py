@@ -113,6 +113,15 @@ def test_multi_process_limits_are_one_line(monkeypatch):
     fixtures.override(config, {'pipeline.initial_length': 4, 'pipeline.micro_batches': 0})
   with pytest.raises(elastic.ConfigError, match='micro_batches=0 .* not supported with several'):
     elastic.check_config(config, 8)
+  with config.unlocked():
+    fixtures.override(config, {'pipeline.micro_batches': 4, 'pipeline.autodp': False})
+  with pytest.raises(elastic.ConfigError, match=r"pipeline.autodp=False is not supported with "
+                                                r"several processes \(its one pipeline would run "
+                                                r"on process 0's devices alone"):
+    elastic.check_config(config, 8)
+  with config.unlocked():
+    config.pipeline.autodp = True
+  elastic.check_config(config, 8)
 
 
 def test_processes_that_found_different_data_sets_are_refused(monkeypatch):
@@ -805,6 +814,14 @@ def test_processes_started_with_different_configs_are_refused_in_one_line(tmp_pa
     other.distributed.process_id = 1
   assert distributed.config_digest(base, 'w') == distributed.config_digest(other, 'w')
   assert distributed.config_digest(base, 'w') != distributed.config_digest(base, 'elsewhere')
+  # Nor the profile's path, which several processes never read (its default
+  # is under each host's home); any other key counts.
+  with other.unlocked():
+    other.pipeline.profile_path = '/users/alice/.cache/pipejax/profile.json'
+  assert distributed.config_digest(base, 'w') == distributed.config_digest(other, 'w')
+  with other.unlocked():
+    other.pipeline.micro_batches = 3
+  assert distributed.config_digest(base, 'w') != distributed.config_digest(other, 'w')
   # No --workdir: the same on every process, wherever each was started.
   here, cwd = distributed.config_digest(base, None), os.getcwd()
   os.chdir(os.path.dirname(cwd) or '/')
