@@ -154,6 +154,7 @@ class ActivationCache:
     self._disk = None
     self._free: list[int] = []
     self._disk_off = False  # a write failed (a full disk): no new disk entries
+    self._float16_warned = False
     if disk_bytes:
       self._disk = DiskTier(directory, identity, self.entry_shape, self.dtype.name, disk_bytes,
                             n, on_mismatch, log)
@@ -363,9 +364,13 @@ class ActivationCache:
   def _store(self, ids: np.ndarray, values: np.ndarray, depth: int) -> None:
     """Stores unique ``ids [n]`` with ``values [n, *entry_shape]`` at ``depth``:
     in place where an entry exists, else in memory while the budget allows,
-    else on disk while slots are free, else not at all (``uncached``)."""
+    else on disk while slots are free, else not at all (``uncached``).
+    float16 storage leaves out rows it cannot hold (beyond ±65504: inf)."""
     start = time.perf_counter()
-    stored = np.ascontiguousarray(values, self.dtype)
+    with np.errstate(over='ignore'):  # float16's overflow: dropped below, and said once
+      stored = np.ascontiguousarray(values, self.dtype)
+    if self.dtype == np.float16:
+      ids, stored = self._within_float16(ids, values, stored)
     with self._lock:
       to_disk = []
       for i, sample_id in enumerate(ids.tolist()):
@@ -398,6 +403,25 @@ class ActivationCache:
           self._counts['uncached'] += len(lost)
       self._note_memory()
     self._seconds['write_seconds'] += time.perf_counter() - start
+
+  def _within_float16(self, ids: np.ndarray, values: np.ndarray, stored: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` and ``stored`` without the rows that float16 turned infinite
+    from finite values: served as computed, counted ``uncached``, and said
+    once (a hit of inf would stop the run as a diverged loss)."""
+    n = len(ids)
+    lost = (~np.isfinite(stored.reshape(n, -1)).all(1)
+            & np.isfinite(np.asarray(values).reshape(n, -1)).all(1))
+    if not lost.any():
+      return ids, stored
+    with self._lock:
+      self._counts['uncached'] += int(lost.sum())
+      if not self._float16_warned:
+        self._float16_warned = True
+        self.log(f'autocache: {int(lost.sum())} entries hold values beyond float16\'s range '
+                 f'(±65504) and are not cached (they are recomputed, and so are later ones '
+                 f'like them); cache.dtype=bfloat16 keeps float32\'s range')
+    return ids[~lost], stored[~lost]
 
   def _disk_failed(self, error: OSError) -> None:
     """Stops putting entries on disk after a failed write (a full disk, a

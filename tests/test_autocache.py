@@ -399,6 +399,30 @@ def test_corrupt_disk_entries_are_detected_and_recomputed(tmp_path, where):
   assert fake.computed == []
 
 
+def test_float16_storage_leaves_out_entries_beyond_its_range():
+  """float16 holds nothing beyond ±65504: a row with such a value is served
+  as computed and not cached (one line, counted ``uncached``), so no hit is
+  ever inf; the other rows of its batch are cached and read back within the
+  dtype's rounding."""
+  lines = []
+  cache = make_cache(num_samples=4, dtype='float16', log=lines.append)
+  ids = np.arange(4)
+  values = np.random.default_rng(0).normal(size=(4, SEQ, HIDDEN)).astype(np.float32)
+  values[1, 2, 3] = 7e4  # beyond float16's largest, 65504
+  got = cache.fetch(ids, lambda rows: values[rows])
+  np.testing.assert_array_equal(got, values)
+  assert cache.contains(ids).tolist() == [True, False, True, True]
+  assert cache.stats()['uncached'] == 1
+  assert [line for line in lines if 'float16' in line] == [
+      "autocache: 1 entries hold values beyond float16's range (±65504) and are not cached "
+      "(they are recomputed, and so are later ones like them); cache.dtype=bfloat16 keeps "
+      "float32's range"]
+  again = cache.fetch(ids, lambda rows: values[rows])
+  assert np.isfinite(again).all() and again[1, 2, 3] == 7e4
+  np.testing.assert_allclose(again, values, rtol=storage_error_bound('float16'), atol=2.0 ** -25)
+  assert len([line for line in lines if 'float16' in line]) == 1
+
+
 def test_a_failed_disk_write_turns_the_disk_tier_off_not_the_run(tmp_path, monkeypatch):
   """A full disk (ENOSPC from the entries file's write) is one line, not an
   error: the batch is served right and not cached, nothing more is written
