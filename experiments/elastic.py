@@ -514,14 +514,6 @@ def _outputs(workdir: str) -> list[str]:
   return found + [os.path.join('checkpoints', n) for n in checkpoints.own_entries(workdir)]
 
 
-def _has_checkpoint(workdir: str) -> bool:
-  """Whether ``workdir`` holds a finished checkpoint (a step with both items)."""
-  folder = os.path.join(workdir, 'checkpoints')
-  return any(name.isdigit() and all(os.path.isdir(os.path.join(folder, name, item))
-                                    for item in checkpoints.ITEMS)
-             for name in checkpoints.own_entries(workdir))
-
-
 def _move(names: list[str], source: str, target: str | None) -> None:
   """Moves ``names`` (relative paths) from ``source`` to ``target``, then
   the run's folders that this emptied; with ``target`` None removes them and
@@ -640,7 +632,7 @@ def _recover(workdir: str, resume_: bool = True) -> None:
     return
   replaced, phase = state
   # A finished checkpoint, or (checkpoints off) a summary, is the later run's.
-  if phase == 'replaced' and (_has_checkpoint(workdir) or
+  if phase == 'replaced' and (checkpoints.has_finished(workdir) or
                               os.path.exists(os.path.join(workdir, 'summary.json'))):
     if not _drop_replaced(workdir):
       raise ConfigError(f'cannot remove {replaced}, the outputs of a run that a later one '

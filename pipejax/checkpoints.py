@@ -355,6 +355,15 @@ def own_entries(workdir: str) -> list[str]:
                 and not os.path.islink(os.path.join(directory, name)))
 
 
+def has_finished(workdir: str) -> bool:
+  """Whether ``workdir`` holds a finished checkpoint: a step (of
+  :func:`own_entries`) with both :data:`ITEMS`, read from the folder alone."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  return any(name.isdigit() and all(os.path.isdir(os.path.join(directory, name, item))
+                                    for item in ITEMS)
+             for name in own_entries(workdir))
+
+
 def clear(workdir: str) -> None:
   """Removes a run's checkpoints: its steps, those set aside and unfinished
   saves (:func:`own_entries`); anything else in ``workdir/checkpoints`` stays
