@@ -40,15 +40,17 @@ def _config(policy='schedule', alpha=0.5, initial_length=4, micro_batches=4, epo
 
 
 def _trainer(config, num_layers=4, samples=64, *, batch=None, workdir='/nonexistent',
-             devices=None, data=None, dropout=0.0, initializer_range=0.02):
-  """A trainer of the tiny ViT on ``samples`` fixed samples (or ``data``),
-  its loaders taking ``batch`` (default ``train.batch_size``) a step
+             devices=None, data=None, dropout=0.0, initializer_range=0.02, kind='vit',
+             max_steps=0):
+  """A trainer of the tiny ``kind`` (ViT) on ``samples`` fixed samples (or
+  ``data``), its loaders taking ``batch`` (default ``train.batch_size``) a
+  step, the train loader at most ``max_steps`` an epoch (0: all)
   (``dropout``, ``initializer_range``: the model's, see ``fixtures.tiny``)."""
-  created = fixtures.tiny('vit', num_layers=num_layers, dropout=dropout,
+  created = fixtures.tiny(kind, num_layers=num_layers, dropout=dropout,
                           initializer_range=initializer_range)
-  data = fixtures.batch('vit', created.model, samples, seed=4) if data is None else data
+  data = fixtures.batch(kind, created.model, samples, seed=4) if data is None else data
   batch = batch or config.train.batch_size
-  loader = Loader(ArraySource(data), batch, seed=0)
+  loader = Loader(ArraySource(data), batch, seed=0, max_steps=max_steps)
   evals = Loader(ArraySource(data), batch, shuffle=False, drop_remainder=False)
   return Trainer(created.model, created.params, config, workdir, loader, evals,
                  devices=devices, log=lambda _: None), data
@@ -693,12 +695,8 @@ def test_clipping_and_sparing_biases_and_norms_equal_optax_on_the_sequential_mod
   config = _config(policy='none', initial_length=4, micro_batches=2, epochs=1)
   with config.unlocked():
     config.train.update(max_grad_norm=0.5, decay_biases_and_norms=False, weight_decay=0.5)
-  created = fixtures.tiny(kind, num_layers=4, initializer_range=0.2)
-  data = fixtures.batch(kind, created.model, 48, seed=4)
-  loader = Loader(ArraySource(data), 16, seed=0)
-  trainer = Trainer(created.model, created.params, config, '/nonexistent', loader,
-                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
-                    log=lambda _: None)
+  trainer, _ = _trainer(config, samples=48, batch=16, initializer_range=0.2, kind=kind)
+  created, loader = fixtures.tiny(kind, num_layers=4, initializer_range=0.2), trainer.train_loader
   trainer.train_epoch(0, _Bar())
   ours = trainer.canonical_params()
 
@@ -1187,12 +1185,8 @@ def test_per_pipeline_schedule_ends_with_the_last_epoch(tmp_path, samples, cap):
   with config.unlocked():
     config.train.update(batch_mode='per_pipeline', batch_size=8, max_steps_per_epoch=cap,
                         warmup_epochs=0.5)
-  created = fixtures.tiny('vit', num_layers=4)
-  data = fixtures.batch('vit', created.model, samples, seed=4)
-  trainer = Trainer(created.model, created.params, config, str(tmp_path),
-                    Loader(ArraySource(data), 16, seed=0, max_steps=cap),
-                    Loader(ArraySource(data), 16, shuffle=False, drop_remainder=False),
-                    log=lambda _: None)
+  trainer, _ = _trainer(config, samples=samples, batch=16, workdir=str(tmp_path),
+                        max_steps=cap)
   epochs, counts = [], []  # the schedule's position whenever a stop is polled
 
   def progress(epoch, steps):
