@@ -26,6 +26,7 @@ while a short ``pread`` is just an invalid record.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -131,15 +132,23 @@ class DiskTier:
     if leftover and (found is None or {k: found.get(k) for k in expected} != expected):
       if found is not None and found.get('identity') == identity:
         # This run's own entries in another dtype or shape (a resume may change
-        # cache.*): only a speed-up, and a resume starts the cache empty anyway.
-        log(f'autocache: clearing {directory}: its entries are this run\'s in dtype '
-            f'{found.get("dtype")}, shape {found.get("entry_shape")}; now {dtype}, '
-            f'{list(self.entry_shape)}')
+        # cache.*) or written by another version of this module: only a
+        # speed-up, and a resume starts the cache empty anyway.
+        if found.get('format') != FORMAT:
+          log(f'autocache: clearing {directory}: its entries are this run\'s in cache format '
+              f'{found.get("format")!r}; this version reads {FORMAT!r}')
+        else:
+          log(f'autocache: clearing {directory}: its entries are this run\'s in dtype '
+              f'{found.get("dtype")}, shape {found.get("entry_shape")}; now {dtype}, '
+              f'{list(self.entry_shape)}')
       else:
-        what = (f'{ENTRIES} without a readable {MANIFEST}: whose they are is unknown'
-                if found is None else
-                f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '
-                f'dtype {found.get("dtype")}')
+        if found is None:
+          what = f'{ENTRIES} without a readable {MANIFEST}: whose they are is unknown'
+        else:
+          what = (f'identity {found.get("identity")!r}, shape {found.get("entry_shape")}, '
+                  f'dtype {found.get("dtype")}')
+          if found.get('format') != FORMAT:
+            what += f', cache format {found.get("format")!r} (this version reads {FORMAT!r})'
         if on_mismatch == 'refuse':
           self.close()
           raise CacheMismatchError(
@@ -151,6 +160,7 @@ class DiskTier:
       for name in (ENTRIES, MANIFEST):
         if os.path.exists(os.path.join(directory, name)):
           os.remove(os.path.join(directory, name))
+    created = not os.path.exists(self.path)
     try:
       self.open()
       if os.fstat(self.fd).st_size > self.slots * self.record_bytes:
@@ -159,6 +169,9 @@ class DiskTier:
       diskcache.write_atomic(manifest_path, lambda f: json.dump(manifest, f))
     except OSError as e:
       self.close()
+      if created:  # an entries file with no manifest would make the next run refuse it
+        with contextlib.suppress(OSError):
+          os.remove(self.path)
       raise CacheMismatchError(f'cannot use the cache directory {directory}: '
                                f'{e.strerror or e} ({e.filename})') from e
 

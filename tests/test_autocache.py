@@ -2,6 +2,7 @@
 prefetch, the caching decision, and the multi-host sampler it relies on."""
 import dataclasses
 import errno
+import json
 import os
 import threading
 import time
@@ -567,6 +568,53 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   assert len(np.concatenate(fake.computed)) == 12  # nothing of run-a was read
   np.testing.assert_array_equal(got, fake.direct(ids, 3))
   cache.close()
+
+
+def test_a_directory_in_another_cache_format_is_named_as_such(tmp_path):
+  """A manifest written by another version of the disk format: this run's
+  own entries are cleared with a line that names the format (not a dtype or
+  shape change, which the fields would not show), and another run's are
+  refused naming it too."""
+  fake = FakePrefix(12)
+  cache, ids = _disk_cache(tmp_path, fake)
+  cache.close()
+  manifest = tmp_path / 'cache' / autocache_disk.MANIFEST
+  older = dict(json.loads(manifest.read_text()), format='pipejax-autocache-0')
+  manifest.write_text(json.dumps(older))
+  with pytest.raises(CacheMismatchError,
+                     match="cache format 'pipejax-autocache-0' \\(this version reads "
+                           f"'{autocache_disk.FORMAT}'\\)"):
+    make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, identity='run-b')
+  lines = []
+  again = make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, log=lines.append, depth=3)
+  assert lines == [f"autocache: clearing {tmp_path / 'cache'}: its entries are this run's in "
+                   f"cache format 'pipejax-autocache-0'; this version reads "
+                   f"'{autocache_disk.FORMAT}'"]
+  assert not again.contains(ids).any()  # nothing of the older format is served
+  assert json.loads(manifest.read_text())['format'] == autocache_disk.FORMAT
+  again.close()
+
+
+def test_a_failed_first_manifest_write_leaves_no_entries_file(tmp_path, monkeypatch):
+  """The first run on a directory that cannot take the manifest (disk full,
+  say) is refused in one line and leaves nothing behind: an entries file
+  without its manifest would make the next run refuse the directory as
+  holding activations of unknown origin."""
+  def full(path, write):
+    raise OSError(errno.ENOSPC, 'No space left on device', path)
+
+  monkeypatch.setattr(autocache_disk.diskcache, 'write_atomic', full)
+  with pytest.raises(CacheMismatchError, match='cannot use the cache directory .*No space left'):
+    make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20)
+  assert sorted(os.listdir(tmp_path / 'cache')) in ([], [autocache_disk.LOCK])
+  monkeypatch.undo()
+  fake = FakePrefix(12)
+  cache, ids = _disk_cache(tmp_path, fake)  # the next run takes the directory as new
+  cache.close()
+  again = make_cache(tmp_path, num_samples=12, memory_bytes=0, disk_bytes=1 << 20, depth=3)
+  np.testing.assert_array_equal(again.fetch(ids, fake.compute_fn(ids, 3)), fake.direct(ids, 3))
+  assert fake.computed == []  # and its entries are served back to the run after it
+  again.close()
 
 
 def test_a_closed_cache_opens_again_with_its_entries(tmp_path):
