@@ -825,6 +825,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     workdir = _fresh_workdir(task)
   check_workdir(workdir, config.checkpoint.enabled)
   lock_workdir(workdir, held, _log)
+  distributed.check_shared_folder(workdir)  # several processes: before anything is written
   # What a start over left: before anything reads the workdir's outputs.
   _recover(workdir, config.resume)
   _all_processes_here()

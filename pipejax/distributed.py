@@ -204,6 +204,65 @@ def check_same_data(config, description: str) -> None:
         f'TFDS_DATA_DIR)')
 
 
+SHARED_MARK = '.shared.process_{}'  # a process's mark in a folder every process must share
+
+
+def check_shared_folder(folder: str, flag: str = '--workdir',
+                        wait_seconds: float = 10.0) -> None:
+  """Refuses, on every process at once, a ``folder`` that is not one folder
+  for the whole job: the same path on hosts that do not share it, which a
+  job's checkpoints cannot live in (it would train until its first save).
+  Each process writes a mark with a random token into ``folder``; each must
+  then read every other process's token there, within ``wait_seconds`` (a
+  network file system may show a new file late). The marks are removed once
+  every process has looked. Collective with several processes, as
+  :func:`check_same_config`; nothing with one.
+
+  Raises:
+    DistributedError: the processes that did not find the others' marks.
+  """
+  import jax  # noqa: PLC0415
+  if jax.process_count() <= 1:
+    return
+  import secrets  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  from pipejax import diskcache  # noqa: PLC0415
+  index = jax.process_index()
+  own = os.path.join(folder, SHARED_MARK.format(index))
+  token = secrets.randbits(52) | 1  # exact in float64; 0 stands for "wrote no mark"
+  try:
+    diskcache.write_atomic(own, lambda f: f.write(str(token)))
+  except OSError:  # an unwritable folder is refused where it is written first
+    token = 0
+
+  def read(j: int) -> int:
+    try:
+      with open(os.path.join(folder, SHARED_MARK.format(j)), encoding='ascii') as f:
+        return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+      return 0
+
+  tokens = gather_exact([float(token)])[:, 0]
+  others = {j: int(t) for j, t in enumerate(tokens.tolist()) if j != index and t}
+  deadline = time.monotonic() + wait_seconds
+  unseen = [j for j, t in others.items() if read(j) != t]
+  while unseen and time.monotonic() < deadline:
+    time.sleep(0.2)
+    unseen = [j for j in unseen if read(j) != others[j]]
+  missed = gather_exact([float(len(unseen))])[:, 0]
+  if token:  # every process has looked by now
+    try:
+      os.remove(own)
+    except OSError:
+      pass
+  blind = [i for i, m in enumerate(missed.tolist()) if m]
+  if blind:
+    raise DistributedError(
+        f'{flag}={folder} is not one folder shared by every process: {_processes(blind)} '
+        f'did not find in it what the other processes wrote; give every process the same '
+        f'folder on a file system that every host mounts')
+
+
 def ordered_devices(devices: Sequence | None = None) -> list:
   """``devices`` (default: all) ordered by process, then by ID: consecutive
   devices share a process, so every mesh row built from them stays in one."""

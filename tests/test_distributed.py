@@ -831,6 +831,73 @@ def test_processes_started_with_different_configs_are_refused_in_one_line(tmp_pa
     os.chdir(cwd)
 
 
+def test_a_run_checks_its_workdir_is_shared_before_writing_there(tmp_path, monkeypatch):
+  """The run calls :func:`distributed.check_shared_folder` on its workdir
+  once it holds it, before it writes anything else there (the check itself
+  is a no-op for one process: it is faked here to stop the run)."""
+  class Checked(Exception):
+    pass
+
+  def check(folder, *args, **kwargs):
+    raise Checked(folder, sorted(os.listdir(folder)))
+
+  monkeypatch.setattr(distributed, 'check_shared_folder', check)
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, SMALL)
+  workdir = str(tmp_path / 'job')
+  with pytest.raises(Checked) as checked:
+    elastic.run(config, workdir, task='vit')
+  assert checked.value.args == (workdir, [elastic.LOCK_FILE])
+
+
+_SHARED_CHECK = """
+import sys
+from experiments import vit_imagenet
+from pipejax import distributed
+port, index, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+config = vit_imagenet.get_config()
+config.distributed.update(coordinator=f'localhost:{port}', num_processes=2, process_id=index)
+distributed.initialize(config, lambda line: None)
+try:
+  distributed.check_shared_folder(folder, wait_seconds=1.0)
+  print('shared')
+except distributed.DistributedError as e:
+  print(f'refused: {e}')
+"""
+
+
+@JOBS
+@pytest.mark.parametrize('shared', [True, False])
+def test_a_folder_that_is_not_one_for_every_process_is_refused_on_all(tmp_path, shared):
+  """``check_shared_folder`` on two real processes: one folder for both
+  passes; a folder of each (what one path gives on hosts that do not share
+  it) is refused on both, naming both, before a job would train towards a
+  first checkpoint that it could not write. No mark stays behind."""
+  folders = [tmp_path / 'job'] * 2 if shared else [tmp_path / 'host0', tmp_path / 'host1']
+  for folder in folders:
+    folder.mkdir(exist_ok=True)
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  job = [subprocess.Popen([sys.executable, '-c', _SHARED_CHECK, str(port), str(p),
+                           str(folders[p])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+         for p in (0, 1)]
+  results = _finish(job, timeout=180)
+  assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+  said = [out.strip().splitlines()[-1] for _, out, _ in results]
+  if shared:
+    assert said == ['shared', 'shared']
+  else:
+    assert said == [f'refused: --workdir={folders[p]} is not one folder shared by every '
+                    f'process: processes 0, 1 did not find in it what the other processes '
+                    f'wrote; give every process the same folder on a file system that every '
+                    f'host mounts' for p in (0, 1)]
+  for folder in set(folders):
+    assert not [name for name in os.listdir(folder) if not name.endswith('.tmp')]
+
+
 @JOBS
 def test_sigterm_to_one_process_stops_the_whole_job_with_a_checkpoint(tmp_path):
   """JAX's preemption service would put its own SIGTERM handler in place of
