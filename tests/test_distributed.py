@@ -235,6 +235,48 @@ def test_a_stop_is_agreed_at_every_tenth_poll_when_any_process_asked(monkeypatch
   assert distributed.agreed_stop(stop_requested) is stop_requested  # one process: every poll
 
 
+def test_processes_that_resume_from_different_checkpoints_are_refused(tmp_path, monkeypatch):
+  """Each process resumes from the newest checkpoint that it can read (a
+  sharded restore reads each process's own shards). Where one was unreadable
+  on some processes only, the replicas would go on from different weights:
+  refused on every process in one line naming it, before the state is used
+  (the process count and the gather faked, as above)."""
+  folder = str(tmp_path / 'checkpoints')
+  peers = {'steps': [8.0]}
+
+  def gather(values):
+    return np.array([list(values)] + [[s] for s in peers['steps']], np.float64)
+
+  class Restores:  # the checkpoints of one process: it read step 12
+    directory = folder
+
+    def path(self, step):
+      return os.path.join(folder, str(step))
+
+    def restore(self, abstract_state, log):
+      return {'params': 'of step 12'}, {'epoch': 3}, self.path(12)
+
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(distributed, 'gather_exact', gather)
+  with pytest.raises(distributed.DistributedError) as refused:
+    elastic._resume(str(tmp_path), None, Restores(), {})
+  assert str(refused.value) == (
+      f'the processes resumed from different checkpoints (process 0: step 12, process 1: '
+      f'step 8): {folder}/12 was unreadable on process 1 (the lines above say why); move it '
+      f'away and relaunch the same command on every host to resume from the one before')
+  peers['steps'] = [-1.0, 12.0]  # a third process found none it could read
+  with pytest.raises(distributed.DistributedError, match=r'\(process 0: step 12, process 1: '
+                     r'none, process 2: step 12\): .*/12 was unreadable on process 1 '):
+    elastic._check_same_checkpoint(Restores(), os.path.join(folder, '12'))
+  peers['steps'] = [12.0]  # the same everywhere: nothing to say
+  assert elastic._check_same_checkpoint(Restores(), os.path.join(folder, '12')) is None
+  peers['steps'] = [-1.0]
+  assert elastic._check_same_checkpoint(Restores(), None) is None  # none anywhere: a fresh start
+  monkeypatch.setattr(jax, 'process_count', lambda: 1)
+  monkeypatch.setattr(distributed, 'gather_exact', None)  # one process: nothing gathered
+  assert elastic._check_same_checkpoint(Restores(), os.path.join(folder, '12')) is None
+
+
 # -- a job of two processes ------------------------------------------------------------------
 # One job at a time (see pyproject's addopts): on a starved CPU a process can
 # fall more than gloo's fixed 30 s behind its peer at a new collective.
