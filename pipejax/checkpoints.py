@@ -312,10 +312,13 @@ class Checkpoints:
       raise error  # the machine's (or the devices') memory, not the checkpoint
     detail = distributed.first_line(str(error), 200) or type(error).__name__
     aside = diskcache.aside_name(self.path(step))  # an earlier one set aside is kept too
-    log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside} (rename it '
-        f'back to try it again), trying the one before')
     if jax.process_index() == 0:
+      log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside} (rename it '
+          f'back to try it again), trying the one before')
       os.replace(self.path(step), aside)
+    else:  # process 0 alone moves it, where it cannot read it either
+      log(f'checkpoint {self.path(step)} is unreadable on process {jax.process_index()} '
+          f'({detail}); trying the one before')
     self.manager.reload()
 
   def close(self) -> None:
