@@ -238,13 +238,20 @@ def best_span(start_logits: np.ndarray, end_logits: np.ndarray, offsets: np.ndar
 def squad_predictions(features: SquadFeatures, feature_ids: np.ndarray,
                       start_logits: np.ndarray, end_logits: np.ndarray, n_best: int = 20,
                       max_answer_length: int = 30) -> dict[str, str]:
-  """Answer text of every example with a feature in ``feature_ids``: its
-  best span over all its features ('' when none is valid)."""
+  """Answer text of every example whose features are all in ``feature_ids``:
+  its best span over all its features ('' when none is valid). An example
+  that ``feature_ids`` holds only some windows of (an evaluation capped by
+  ``train.max_steps_per_epoch`` ends inside one) is left out, not answered
+  from the windows it has."""
   best: dict[int, tuple[float, int, int]] = {}
-  seen: set[int] = set()
+  windows = np.bincount(features.example_index, minlength=len(features.ids))
+  served = np.bincount(features.example_index[np.asarray(feature_ids, np.int64)],
+                       minlength=len(features.ids))
+  seen = set(np.flatnonzero((served > 0) & (served == windows)).tolist())
   for row, feature in enumerate(feature_ids):
     example = int(features.example_index[feature])
-    seen.add(example)
+    if example not in seen:
+      continue
     span = best_span(start_logits[row], end_logits[row], features.offsets[feature], n_best,
                      max_answer_length)
     if span is not None and (example not in best or span[0] > best[example][0]):

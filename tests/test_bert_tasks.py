@@ -176,6 +176,11 @@ def test_squad_predictions_take_the_best_feature_of_each_example():
   assert predictions == {'a': 'cde', 'b': 'E'}
   # Rows follow feature_ids: only feature 2 served -> only example 1.
   assert text_eval.squad_predictions(features, np.array([2]), start[2:], end[2:]) == {'b': 'E'}
+  # An evaluation capped inside example 0 (its first window only, whose own
+  # best span 'a' is wrong): example 0 is left out, not answered from it.
+  assert text_eval.squad_predictions(features, np.array([2, 0]), start[[2, 0]],
+                                     end[[2, 0]]) == {'b': 'E'}
+  assert text_eval.squad_predictions(features, np.array([0]), start[:1], end[:1]) == {}
 
 
 def test_squad_windows_label_the_answer_tokens():
