@@ -68,7 +68,8 @@ MEANINGS: dict[str, str] = {
                            "0: not clipped",
     'train.warmup_epochs': 'linear warm-up to the peak learning rate, then cosine decay to 0',
     'train.max_steps_per_epoch': 'caps every epoch and evaluation at this many steps (smoke '
-                                 'runs; 0: whole epochs)',
+                                 'runs; 0: whole epochs); SQuAD scores only the questions '
+                                 'whose windows all fit',
     'train.eval_batch_size': 'evaluation batch (0: 4 x the starting global batch); a multiple '
                              'of the devices',
 
