@@ -52,8 +52,9 @@ MEANINGS: dict[str, str] = {
 
     'train.epochs': 'epochs to train (a resumed run may change it: the learning-rate schedule '
                     'follows the new total)',
-    'train.batch_size': "the global batch (batch_mode=constant) or a pipeline's batch "
-                        "(per_pipeline); a multiple of the devices",
+    'train.batch_size': "the global batch (batch_mode=constant; a multiple of the devices) or "
+                        "a pipeline's batch (per_pipeline; a multiple of "
+                        "pipeline.initial_length)",
     'train.batch_mode': "'constant': the global batch stays the same when AutoDP adds replicas; "
                         "'per_pipeline': it grows with them (the paper), and an epoch's "
                         "fewer steps each move the learning-rate schedule further, so that it "
@@ -83,7 +84,8 @@ MEANINGS: dict[str, str] = {
                               'per K and remembered in pipeline.profile_path)',
     'pipeline.profile_path': "where the profiled micro-batch counts are remembered ('': "
                              "nowhere)",
-    'pipeline.devices': 'devices the run uses (on a CPU: the fake CPU devices it creates)',
+    'pipeline.devices': 'devices the run uses, the first this many (on a CPU: of the 8 fake '
+                        'CPU devices, or as many as XLA_FLAGS sets)',
     'pipeline.autodp': 'False (ablation): R stays 1 and the devices that compression frees '
                        'idle',
     'pipeline.split_mlp_min_gain': "let a stage boundary fall inside an MLP when that lowers "
