@@ -689,33 +689,11 @@ def _finished_summary(path: str, repair: bool = True) -> dict | None:
     return None
 
 
-def _check_same_checkpoint(ckpt, path: str | None) -> None:
-  """With several processes, refuses on every process at once a resume from
-  different checkpoints: one that some processes could read and others not
-  (process 0 then moved it aside) would leave the replicas with different
-  weights, silently. Collective, as :func:`distributed.check_same_config`."""
-  if jax.process_count() <= 1:
-    return
-  step = -1.0 if path is None else float(os.path.basename(path))
-  steps = distributed.gather_exact([step])[:, 0].tolist()
-  if len(set(steps)) > 1:
-    newest = max(steps)
-    behind = [i for i, s in enumerate(steps) if s != newest]
-    found = ', '.join(f'process {i}: ' + ('none' if s < 0 else f'step {int(s)}')
-                      for i, s in enumerate(steps))
-    raise distributed.DistributedError(
-        f'the processes resumed from different checkpoints ({found}): '
-        f'{ckpt.path(int(newest))} was unreadable on process{"es" * (len(behind) > 1)} '
-        f'{", ".join(map(str, behind))} (the lines above say why); move it away and relaunch '
-        f'the same command on every host to resume from the one before')
-
-
 def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
   """Continues ``trainer`` from the newest readable checkpoint (if any) and
   keeps only the metrics rows of the epochs it had finished."""
   restored = ckpt.restore(
       lambda meta: trainer.abstract_portable(), _log) if ckpt is not None else None
-  _check_same_checkpoint(ckpt, None if restored is None else restored[2])
   if restored is None:
     rows = reporting.read_rows(workdir)
     aside = checkpoints.set_aside(workdir)

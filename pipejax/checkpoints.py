@@ -220,10 +220,20 @@ class Checkpoints:
     step = self.manager.latest_step()
     return None if step is None else self.path(step)
 
+  def _read(self, step: int, args: ocp.args.Composite) -> Any:
+    """``args``' items of checkpoint ``step``. With several processes, read
+    by the checkpoint handler itself, without the barrier that orbax's
+    checkpointer holds after a read: a process whose read failed never
+    reaches it, and the others would wait in it for a collective that no
+    longer matches. :meth:`restore` agrees on every step itself."""
+    if jax.process_count() == 1:
+      return self.manager.restore(step, args=args)
+    from etils import epath  # noqa: PLC0415 - orbax's own path type
+    return ocp.CompositeCheckpointHandler().restore(epath.Path(self.path(step)), args=args)
+
   def _saved_meta(self, step: int) -> dict:
     """The meta saved with ``step``, the packed state's layout included."""
-    return dict(self.manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
+    return dict(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
 
   def _meta(self, step: int) -> dict:
     """The meta saved with ``step``, without the packed state's layout."""
@@ -238,8 +248,7 @@ class Checkpoints:
     checked against its checksums ``sums`` (None: written before pipejax
     kept them) and raises :class:`ValueError` where it differs."""
     if layout is None:  # written unpacked
-      return self.manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
+      return self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(target)))['state']
     sizes: dict[str, int] = {}
     for name, shape, offset, _ in layout:
       sizes[name] = max(sizes.get(name, 0), offset + int(np.prod(shape, dtype=np.int64)))
@@ -269,7 +278,9 @@ class Checkpoints:
     """The newest readable checkpoint: ``(state, meta, directory)``, or None
     when there is none. An unreadable checkpoint (truncated, corrupt) is
     renamed ``<step>.corrupt`` with a one-line message, and the one before it
-    is tried.
+    is tried. With several processes (collective) a step is used only where
+    every process read it, so all resume from the same one; processes that
+    list different steps are refused (:class:`distributed.DistributedError`).
 
     Args:
       abstract_state: ``meta -> target`` (the state's ``ShapeDtypeStruct``
@@ -280,24 +291,29 @@ class Checkpoints:
       CheckpointError: checkpoints exist but none is readable.
     """
     steps = sorted(self.manager.all_steps(), reverse=True)
+    self._check_same_steps(steps)
     for step in steps:
+      error = None
       try:
         meta = self._saved_meta(step)
       except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types
-        self._set_aside(step, e, log)
-        continue
-      layout = meta.pop(PACKED, None)
-      sums = meta.pop(CHECKSUMS, None)
-      target = abstract_state(meta)  # may raise a ConfigError-like refusal: not corrupt
-      problem = None if layout is None else layout_problem(layout, target)
-      if problem:  # readable, but of another state: not set aside
-        raise CheckpointError(f'checkpoint {self.path(step)} holds another state than this run '
-                              f'has ({problem}); use the pipejax that wrote it, or start over '
-                              f'with --config.resume=False')
-      try:
-        state = self._restore_state(step, target, layout, sums)
-      except Exception as e:  # noqa: BLE001
-        self._set_aside(step, e, log)
+        error = e
+      if error is None:
+        layout = meta.pop(PACKED, None)
+        sums = meta.pop(CHECKSUMS, None)
+        target = abstract_state(meta)  # may raise a ConfigError-like refusal: not corrupt
+        problem = None if layout is None else layout_problem(layout, target)
+        if problem:  # readable, but of another state: not set aside
+          raise CheckpointError(f'checkpoint {self.path(step)} holds another state than this '
+                                f'run has ({problem}); use the pipejax that wrote it, or start '
+                                f'over with --config.resume=False')
+        try:
+          state = self._restore_state(step, target, layout, sums)
+        except Exception as e:  # noqa: BLE001
+          error = e
+      failed = self._failed_on(error)
+      if failed:
+        self._set_aside(step, error, log, failed)
         continue
       return state, meta, self.path(step)
     if steps:
@@ -307,18 +323,59 @@ class Checkpoints:
                             f'here (this run\'s outputs are removed at its first checkpoint)')
     return None
 
-  def _set_aside(self, step: int, error: Exception, log: Callable[[str], None]) -> None:
-    if runtime.out_of_memory(error):
-      raise error  # the machine's (or the devices') memory, not the checkpoint
-    detail = distributed.first_line(str(error), 200) or type(error).__name__
+  def _check_same_steps(self, steps: list[int]) -> None:
+    """With several processes, refuses on every process at once checkpoints
+    listed differently by them (a shared folder that some hosts see late):
+    each would resume from another step. Collective."""
+    if jax.process_count() == 1:
+      return
+    listed = distributed.gather_exact([float(len(steps)), float(steps[0] if steps else -1),
+                                       float(sum(steps) % (1 << 50))])
+    if (listed != listed[0]).any():
+      seen = ', '.join(f'process {i}: {int(n)} (newest {"none" if top < 0 else int(top)})'
+                       for i, (n, top, _) in enumerate(listed.tolist()))
+      raise distributed.DistributedError(
+          f'the processes list different checkpoints in {self.directory} ({seen}): every '
+          f'process must see the same folder; relaunch the same command on every host once '
+          f'they do')
+
+  @staticmethod
+  def _failed_on(error: Exception | None) -> list[int]:
+    """The processes whose read of this step failed (``error``: this one's):
+    with several processes every process reads every step, and a step is
+    used only where all read it (each reads its own shards). Collective."""
+    if error is not None and (runtime.out_of_memory(error) or (
+        jax.process_count() > 1 and any(isinstance(c, jax.errors.JaxRuntimeError)
+                                         for c in runtime.causes(error)))):
+      # The memory, or a computation across processes (a lost peer): not the checkpoint.
+      raise error
+    if jax.process_count() == 1:
+      return [] if error is None else [0]
+    failed = distributed.gather_exact([float(error is not None)])[:, 0]
+    return [i for i, f in enumerate(failed.tolist()) if f]
+
+  def _set_aside(self, step: int, error: Exception | None, log: Callable[[str], None],
+                 failed: list[int]) -> None:
+    """Moves unreadable ``step`` to ``<step>.corrupt`` (process 0 alone, the
+    others waiting for the move) and says why: ``error`` where this process
+    failed, else the processes that did (``failed``)."""
     aside = diskcache.aside_name(self.path(step))  # an earlier one set aside is kept too
+    if error is not None:
+      detail = distributed.first_line(str(error), 200) or type(error).__name__
+      where = f' on process {jax.process_index()}' if jax.process_count() > 1 else ''
+      why = f'is unreadable{where} ({detail})'
+    else:
+      several = len(failed) > 1
+      why = (f'is unreadable on process{"es" * several} {", ".join(map(str, failed))} '
+             f'({"their lines say" if several else "its line says"} why)')
+    log(f'checkpoint {self.path(step)} {why}; moved to {aside} (rename it back to try it '
+        f'again), trying the one before')
+    if jax.process_count() > 1:
+      distributed.gather_exact([0.0])  # every process named the same aside
     if jax.process_index() == 0:
-      log(f'checkpoint {self.path(step)} is unreadable ({detail}); moved to {aside} (rename it '
-          f'back to try it again), trying the one before')
       os.replace(self.path(step), aside)
-    else:  # process 0 alone moves it, where it cannot read it either
-      log(f'checkpoint {self.path(step)} is unreadable on process {jax.process_index()} '
-          f'({detail}); trying the one before')
+    if jax.process_count() > 1:
+      distributed.gather_exact([0.0])  # the others list the steps once it has moved
     self.manager.reload()
 
   def close(self) -> None:

@@ -324,7 +324,7 @@ def test_perf_categories_split_a_report_by_what_the_cpu_did():
 
 def test_cpu_and_switches_count_every_thread_of_this_process():
   """Another thread sleeps 100 times (a switch each) while this one waits
-  once: the process's count grows by 100 more than this thread's own."""
+  once: the process's count grows by about 100 more than this thread's own."""
   import threading  # noqa: PLC0415
 
   def own_switches():
@@ -348,7 +348,9 @@ def test_cpu_and_switches_count_every_thread_of_this_process():
   release.set()
   thread.join()
   assert busy > 0 and after[0] > cpu
-  assert (after[1] - switches) - (mine_after - mine) >= 100
+  # At least half of the partner's switches (a loaded machine merged a few,
+  # 99 of 100 once); this thread's own count alone would give none.
+  assert (after[1] - switches) - (mine_after - mine) >= 50
 
 
 def _fake_perf(tmp_path, record_fails=False, report_fails=False, fail_from=0, report=_REPORT):

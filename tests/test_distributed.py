@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from experiments import datasets, elastic, vit_imagenet
-from pipejax import distributed
+from pipejax import checkpoints, distributed
 from pipejax.data import ArraySource, ShardedLoader, host_subset
 from pipejax.pipeline import PlanError
 from tests import fixtures
@@ -233,48 +233,6 @@ def test_a_stop_is_agreed_at_every_tenth_poll_when_any_process_asked(monkeypatch
   assert len(asked) == 3
   monkeypatch.setattr(jax, 'process_count', lambda: 1)
   assert distributed.agreed_stop(stop_requested) is stop_requested  # one process: every poll
-
-
-def test_processes_that_resume_from_different_checkpoints_are_refused(tmp_path, monkeypatch):
-  """Each process resumes from the newest checkpoint that it can read (a
-  sharded restore reads each process's own shards). Where one was unreadable
-  on some processes only, the replicas would go on from different weights:
-  refused on every process in one line naming it, before the state is used
-  (the process count and the gather faked, as above)."""
-  folder = str(tmp_path / 'checkpoints')
-  peers = {'steps': [8.0]}
-
-  def gather(values):
-    return np.array([list(values)] + [[s] for s in peers['steps']], np.float64)
-
-  class Restores:  # the checkpoints of one process: it read step 12
-    directory = folder
-
-    def path(self, step):
-      return os.path.join(folder, str(step))
-
-    def restore(self, abstract_state, log):
-      return {'params': 'of step 12'}, {'epoch': 3}, self.path(12)
-
-  monkeypatch.setattr(jax, 'process_count', lambda: 2)
-  monkeypatch.setattr(distributed, 'gather_exact', gather)
-  with pytest.raises(distributed.DistributedError) as refused:
-    elastic._resume(str(tmp_path), None, Restores(), {})
-  assert str(refused.value) == (
-      f'the processes resumed from different checkpoints (process 0: step 12, process 1: '
-      f'step 8): {folder}/12 was unreadable on process 1 (the lines above say why); move it '
-      f'away and relaunch the same command on every host to resume from the one before')
-  peers['steps'] = [-1.0, 12.0]  # a third process found none it could read
-  with pytest.raises(distributed.DistributedError, match=r'\(process 0: step 12, process 1: '
-                     r'none, process 2: step 12\): .*/12 was unreadable on process 1 '):
-    elastic._check_same_checkpoint(Restores(), os.path.join(folder, '12'))
-  peers['steps'] = [12.0]  # the same everywhere: nothing to say
-  assert elastic._check_same_checkpoint(Restores(), os.path.join(folder, '12')) is None
-  peers['steps'] = [-1.0]
-  assert elastic._check_same_checkpoint(Restores(), None) is None  # none anywhere: a fresh start
-  monkeypatch.setattr(jax, 'process_count', lambda: 1)
-  monkeypatch.setattr(distributed, 'gather_exact', None)  # one process: nothing gathered
-  assert elastic._check_same_checkpoint(Restores(), os.path.join(folder, '12')) is None
 
 
 # -- a job of two processes ------------------------------------------------------------------
@@ -938,6 +896,89 @@ def test_a_folder_that_is_not_one_for_every_process_is_refused_on_all(tmp_path, 
                     f'host mounts' for p in (0, 1)]
   for folder in set(folders):
     assert not [name for name in os.listdir(folder) if not name.endswith('.tmp')]
+
+
+_RESTORE = """
+import sys
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from experiments import vit_imagenet
+from pipejax import checkpoints, distributed
+port, index, workdir, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+config = vit_imagenet.get_config()
+config.distributed.update(coordinator=f'localhost:{port}', num_processes=2, process_id=index)
+distributed.initialize(config, lambda line: None)
+rows = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))  # a row per process
+if index == 1 and mode.endswith('unreadable here'):  # step 2's meta, or its shard, fails
+  name = '_saved_meta' if mode.startswith('meta') else '_restore_state'
+  read = getattr(checkpoints.Checkpoints, name)
+  def failing(self, step, *args):
+    if step == 2:
+      raise ValueError(f'{mode.split()[0]} unreadable here')
+    return read(self, step, *args)
+  setattr(checkpoints.Checkpoints, name, failing)
+ckpt = checkpoints.Checkpoints(workdir)
+if index == 1 and mode == 'listed late':  # its listing lacks the newest step
+  ckpt.manager.all_steps = lambda: [1]
+try:
+  state, meta, path = ckpt.restore(
+      lambda meta: {'w': jax.ShapeDtypeStruct((2, 3), np.float32, sharding=rows)},
+      lambda line: print('said:', line, flush=True))
+  local = [np.asarray(s.data).tolist() for s in state['w'].addressable_shards]
+  print('restored:', path, meta['n'], local, flush=True)
+except distributed.DistributedError as e:
+  print('refused:', e, flush=True)
+ckpt.close()
+"""
+
+
+@JOBS
+@pytest.mark.parametrize('mode', ['readable', 'meta unreadable here', 'shard unreadable here',
+                                  'listed late'])
+def test_processes_resume_from_one_checkpoint_that_all_of_them_read(tmp_path, mode):
+  """Two real processes restore the checkpoints a job wrote (each its own
+  shard). A step unreadable on one process only is left by both, set aside
+  by process 0 once, and both resume from the one before: the replicas
+  never go on from different weights, and no process waits in a collective
+  that the other skipped (orbax's barrier after a read, which a failed read
+  never reaches). Processes that list different steps are refused on both."""
+  workdir = tmp_path / 'job'
+  writer = checkpoints.Checkpoints(str(workdir))
+  writer.packed = False  # as a job of several processes writes them
+  for step in (1, 2):
+    writer.save(step, {'w': np.full((2, 3), float(step), np.float32)}, {'n': step}, wait=True)
+  writer.close()
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  job = [subprocess.Popen([sys.executable, '-c', _RESTORE, str(port), str(p), str(workdir),
+                           mode], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+         for p in (0, 1)]
+  results = _finish(job, timeout=180)
+  assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+  said = [[line for line in out.splitlines() if line.startswith(('said:', 'restored:',
+                                                                   'refused:'))]
+          for _, out, _ in results]
+  folder = workdir / 'checkpoints'
+  if mode == 'readable':
+    assert said == [[f"restored: {folder / '2'} 2 [[[2.0, 2.0, 2.0]]]"]] * 2
+    assert sorted(os.listdir(folder)) == ['1', '2']
+  elif mode.endswith('unreadable here'):
+    moved = (f"checkpoint {folder / '2'} is unreadable{{}}; moved to {folder / '2.corrupt'} "
+             f"(rename it back to try it again), trying the one before")
+    assert said == [
+        ['said: ' + moved.format(' on process 1 (its line says why)'),
+         f"restored: {folder / '1'} 1 [[[1.0, 1.0, 1.0]]]"],
+        ['said: ' + moved.format(f' on process 1 ({mode})'),
+         f"restored: {folder / '1'} 1 [[[1.0, 1.0, 1.0]]]"]]
+    assert sorted(os.listdir(folder)) == ['1', '2.corrupt']
+  else:
+    assert said == [[f'refused: the processes list different checkpoints in {folder} (process '
+                     f'0: 2 (newest 2), process 1: 1 (newest 1)): every process must see the '
+                     f'same folder; relaunch the same command on every host once they do']] * 2
+    assert sorted(os.listdir(folder)) == ['1', '2']
 
 
 @JOBS

@@ -254,25 +254,6 @@ def test_a_state_is_written_packed_and_restores_exactly(tmp_path):
   assert sorted(os.listdir(tmp_path / 'packed' / 'checkpoints')) == ['3']
 
 
-def test_a_checkpoint_unreadable_on_another_process_stays_where_it_is(tmp_path, monkeypatch):
-  """Only process 0 moves an unreadable checkpoint aside (the others may read
-  it well: each reads its own shards); another process says it is unreadable
-  there, not that it moved it."""
-  ckpt = checkpoints.Checkpoints(str(tmp_path))
-  ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
-  ckpt.save(2, _tiny_state(2.0), {'n': 2}, wait=True)
-  ckpt.close()
-  shutil.rmtree(os.path.join(ckpt.path(2), 'state'))
-  monkeypatch.setattr(checkpoints.jax, 'process_index', lambda: 1)
-  messages = []
-  state, _, path = checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, messages.append)
-  assert path == ckpt.path(1) and int(state['step']) == 1
-  assert len(messages) == 1 and messages[0].startswith(
-      f'checkpoint {ckpt.path(2)} is unreadable on process 1 (')
-  assert messages[0].endswith('); trying the one before')
-  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1', '2']
-
-
 def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   ckpt = checkpoints.Checkpoints(str(tmp_path))
   ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
