@@ -245,7 +245,7 @@ def squad_predictions(features: SquadFeatures, feature_ids: np.ndarray,
   from the windows it has."""
   best: dict[int, tuple[float, int, int]] = {}
   windows = np.bincount(features.example_index, minlength=len(features.ids))
-  served = np.bincount(features.example_index[np.asarray(feature_ids, np.int64)],
+  served = np.bincount(features.example_index[np.unique(np.asarray(feature_ids, np.int64))],
                        minlength=len(features.ids))
   seen = set(np.flatnonzero((served > 0) & (served == windows)).tolist())
   for row, feature in enumerate(feature_ids):

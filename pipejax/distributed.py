@@ -242,19 +242,21 @@ def check_shared_folder(folder: str, flag: str = '--workdir',
     except (OSError, ValueError):
       return 0
 
-  tokens = gather_exact([float(token)])[:, 0]
-  others = {j: int(t) for j, t in enumerate(tokens.tolist()) if j != index and t}
-  deadline = time.monotonic() + wait_seconds
-  unseen = [j for j, t in others.items() if read(j) != t]
-  while unseen and time.monotonic() < deadline:
-    time.sleep(0.2)
-    unseen = [j for j in unseen if read(j) != others[j]]
-  missed = gather_exact([float(len(unseen))])[:, 0]
-  if token:  # every process has looked by now
-    try:
-      os.remove(own)
-    except OSError:
-      pass
+  try:
+    tokens = gather_exact([float(token)])[:, 0]
+    others = {j: int(t) for j, t in enumerate(tokens.tolist()) if j != index and t}
+    deadline = time.monotonic() + wait_seconds
+    unseen = [j for j, t in others.items() if read(j) != t]
+    while unseen and time.monotonic() < deadline:
+      time.sleep(0.2)
+      unseen = [j for j in unseen if read(j) != others[j]]
+    missed = gather_exact([float(len(unseen))])[:, 0]
+  finally:  # every process has looked by now (or the job is ending)
+    if token:
+      try:
+        os.remove(own)
+      except OSError:
+        pass
   blind = [i for i, m in enumerate(missed.tolist()) if m]
   if blind:
     raise DistributedError(
