@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 import zlib
 from typing import Any, Callable
 
@@ -154,7 +155,14 @@ def unpack(packed: dict[str, np.ndarray], layout: list, target: Any) -> Any:
     if flat is None or offset < 0 or offset + size > flat.size:
       raise ValueError(f'the checkpoint\'s {name} arrays end before the state\'s do')
     value = flat[offset:offset + size].reshape(shape).astype(want.dtype, copy=False)
-    out.append(jax.device_put(value, getattr(want, 'sharding', None)))
+    sharding = getattr(want, 'sharding', None)
+    if sharding is not None and jax.process_count() > 1:
+      # device_put onto several processes' devices compares the value across
+      # them, a collective that a peer whose read failed never joins.
+      out.append(jax.make_array_from_callback(value.shape, sharding,
+                                              lambda index, v=value: v[index]))
+    else:
+      out.append(jax.device_put(value, sharding))
   return treedef.unflatten(out)
 
 
@@ -253,8 +261,7 @@ class Checkpoints:
     for name, shape, offset, _ in layout:
       sizes[name] = max(sizes.get(name, 0), offset + int(np.prod(shape, dtype=np.int64)))
     flat = {name: np.zeros((size,), np.dtype(name)) for name, size in sizes.items()}
-    packed = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(flat)))['state']
+    packed = self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(flat)))['state']
     packed = {k: np.asarray(v) for k, v in packed.items()}
     if sums is not None:
       found = checksums(packed)
@@ -330,7 +337,7 @@ class Checkpoints:
     if jax.process_count() == 1:
       return
     listed = distributed.gather_exact([float(len(steps)), float(steps[0] if steps else -1),
-                                       float(sum(steps) % (1 << 50))])
+                                       float(zlib.crc32(repr(sorted(steps)).encode()))])
     if (listed != listed[0]).any():
       seen = ', '.join(f'process {i}: {int(n)} (newest {"none" if top < 0 else int(top)})'
                        for i, (n, top, _) in enumerate(listed.tolist()))
@@ -371,12 +378,18 @@ class Checkpoints:
     log(f'checkpoint {self.path(step)} {why}; moved to {aside} (rename it back to try it '
         f'again), trying the one before')
     if jax.process_count() > 1:
-      distributed.gather_exact([0.0])  # every process named the same aside
+      distributed.gather_exact([0.0])  # every process has named the aside before it moves
     if jax.process_index() == 0:
       os.replace(self.path(step), aside)
     if jax.process_count() > 1:
       distributed.gather_exact([0.0])  # the others list the steps once it has moved
     self.manager.reload()
+    # A shared folder may list the moved step a while longer on another host,
+    # whose next save of that step would then be skipped there alone.
+    deadline = time.monotonic() + 10.0
+    while step in self.manager.all_steps() and time.monotonic() < deadline:
+      time.sleep(0.2)
+      self.manager.reload()
 
   def close(self) -> None:
     """Waits for pending saves.

@@ -910,14 +910,14 @@ config = vit_imagenet.get_config()
 config.distributed.update(coordinator=f'localhost:{port}', num_processes=2, process_id=index)
 distributed.initialize(config, lambda line: None)
 rows = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))  # a row per process
-if index == 1 and mode.endswith('unreadable here'):  # step 2's meta, or its shard, fails
-  name = '_saved_meta' if mode.startswith('meta') else '_restore_state'
-  read = getattr(checkpoints.Checkpoints, name)
-  def failing(self, step, *args):
-    if step == 2:
+if index == 1 and mode.endswith('unreadable here'):  # step 2's meta, or its state, fails
+  read = checkpoints.Checkpoints._read  # the files, as orbax reads them
+  item = 'meta' if mode.startswith('meta') else 'state'
+  def failing(self, step, args):
+    if step == 2 and item in args:
       raise ValueError(f'{mode.split()[0]} unreadable here')
-    return read(self, step, *args)
-  setattr(checkpoints.Checkpoints, name, failing)
+    return read(self, step, args)
+  checkpoints.Checkpoints._read = failing
 ckpt = checkpoints.Checkpoints(workdir)
 if index == 1 and mode == 'listed late':  # its listing lacks the newest step
   ckpt.manager.all_steps = lambda: [1]
@@ -935,17 +935,20 @@ ckpt.close()
 
 @JOBS
 @pytest.mark.parametrize('mode', ['readable', 'meta unreadable here', 'shard unreadable here',
-                                  'listed late'])
+                                  'packed unreadable here', 'listed late'])
 def test_processes_resume_from_one_checkpoint_that_all_of_them_read(tmp_path, mode):
   """Two real processes restore the checkpoints a job wrote (each its own
   shard). A step unreadable on one process only is left by both, set aside
   by process 0 once, and both resume from the one before: the replicas
   never go on from different weights, and no process waits in a collective
   that the other skipped (orbax's barrier after a read, which a failed read
-  never reaches). Processes that list different steps are refused on both."""
+  never reaches, or device_put's comparison of a packed checkpoint's values
+  across processes). Processes that list different steps are refused on both."""
   workdir = tmp_path / 'job'
   writer = checkpoints.Checkpoints(str(workdir))
-  writer.packed = False  # as a job of several processes writes them
+  # As a job of several processes writes them; packed: a one-process run's,
+  # which a job may resume (another device count).
+  writer.packed = mode.startswith('packed')
   for step in (1, 2):
     writer.save(step, {'w': np.full((2, 3), float(step), np.float32)}, {'n': step}, wait=True)
   writer.close()
