@@ -781,11 +781,10 @@ def lock_workdir(workdir: str, held: contextlib.ExitStack,
     log(f'warning: cannot lock {path} ({e.strerror or e}): nothing keeps another run from '
         f'writing into {workdir} at the same time')
   if jax.process_count() > 1:
-    refused = distributed.gather_exact([float(refusal is not None)])[:, 0]
-    if refused.any() and refusal is None:
-      who = [i for i, r in enumerate(refused.tolist()) if r]
-      refusal = (f'--workdir={workdir} is in use by another run (refused on process'
-                 f'{"es" * (len(who) > 1)} {", ".join(map(str, who))})')
+    who = distributed.processes_where(refusal is not None)
+    if who and refusal is None:
+      refusal = (f'--workdir={workdir} is in use by another run (refused on '
+                 f'{distributed.name_processes(who)})')
   if lock is not None:
     held.callback(lock.release)
   if refusal is not None:

@@ -356,10 +356,7 @@ class Checkpoints:
                                          for c in runtime.causes(error)))):
       # The memory, or a computation across processes (a lost peer): not the checkpoint.
       raise error
-    if jax.process_count() == 1:
-      return [] if error is None else [0]
-    failed = distributed.gather_exact([float(error is not None)])[:, 0]
-    return [i for i, f in enumerate(failed.tolist()) if f]
+    return distributed.processes_where(error is not None)
 
   def _set_aside(self, step: int, error: Exception | None, log: Callable[[str], None],
                  failed: list[int]) -> None:
@@ -372,9 +369,8 @@ class Checkpoints:
       where = f' on process {jax.process_index()}' if jax.process_count() > 1 else ''
       why = f'is unreadable{where} ({detail})'
     else:
-      several = len(failed) > 1
-      why = (f'is unreadable on process{"es" * several} {", ".join(map(str, failed))} '
-             f'({"their lines say" if several else "its line says"} why)')
+      why = (f'is unreadable on {distributed.name_processes(failed)} '
+             f'({"their lines say" if len(failed) > 1 else "its line says"} why)')
     log(f'checkpoint {self.path(step)} {why}; moved to {aside} (rename it back to try it '
         f'again), trying the one before')
     if jax.process_count() > 1:

@@ -165,8 +165,20 @@ def _differing_processes(config, digest: float) -> list[int]:
   return [i for i, d in enumerate(digests.tolist()) if d != digests[0]]
 
 
-def _processes(differ: list[int]) -> str:
-  return f'process{"es" * (len(differ) > 1)} {", ".join(map(str, differ))}'
+def name_processes(indices: list[int]) -> str:
+  """``'process 1'``, ``'processes 0, 2'``: the processes of a one-line error."""
+  return f'process{"es" * (len(indices) > 1)} {", ".join(map(str, indices))}'
+
+
+def processes_where(flag: bool) -> list[int]:
+  """The processes whose ``flag`` is set, in order (one process: ``[0]`` or
+  ``[]``). Collective with several processes: every process calls it at the
+  same point."""
+  import jax  # noqa: PLC0415
+  if jax.process_count() == 1:
+    return [0] if flag else []
+  flags = gather_exact([float(bool(flag))])[:, 0]
+  return [i for i, f in enumerate(flags.tolist()) if f]
 
 
 def check_same_config(config, workdir: str | None) -> None:
@@ -181,7 +193,7 @@ def check_same_config(config, workdir: str | None) -> None:
   differ = _differing_processes(config, config_digest(config, workdir))
   if differ:
     raise DistributedError(
-        f'{_processes(differ)} {"were" if len(differ) > 1 else "was"} started with another '
+        f'{name_processes(differ)} {"were" if len(differ) > 1 else "was"} started with another '
         f'configuration or --workdir than process 0: start every process with the same '
         f'command line (but distributed.process_id)')
 
@@ -199,7 +211,7 @@ def check_same_data(config, description: str) -> None:
   differ = _differing_processes(config, _digest(description))
   if differ:
     raise DistributedError(
-        f'{_processes(differ)} found another data set than process 0 (this process: '
+        f'{name_processes(differ)} found another data set than process 0 (this process: '
         f'{description}): give every host the same data (data.name, data.data_dir or '
         f'TFDS_DATA_DIR)')
 
@@ -250,17 +262,16 @@ def check_shared_folder(folder: str, flag: str = '--workdir',
     while unseen and time.monotonic() < deadline:
       time.sleep(0.2)
       unseen = [j for j in unseen if read(j) != others[j]]
-    missed = gather_exact([float(len(unseen))])[:, 0]
+    blind = processes_where(bool(unseen))
   finally:  # every process has looked by now (or the job is ending)
     if token:
       try:
         os.remove(own)
       except OSError:
         pass
-  blind = [i for i, m in enumerate(missed.tolist()) if m]
   if blind:
     raise DistributedError(
-        f'{flag}={folder} is not one folder shared by every process: {_processes(blind)} '
+        f'{flag}={folder} is not one folder shared by every process: {name_processes(blind)} '
         f'did not find in it what the other processes wrote; give every process the same '
         f'folder on a file system that every host mounts')
 
