@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -161,8 +162,8 @@ def _bench(config, workdir: str, perf: bool = False, timed: bool = False,
     trainer = Trainer(model, created.params, config, workdir, loader, loader,
                       devices=plan_devices[:config.pipeline.devices], log=lambda _: None)
     plans = _plans(trainer, frozen, keep_slot_width=False)
-  batches = [b for _, b in loader.epoch(0)][:6]
-  ids = [i for i, _ in loader.epoch(0)][:6]
+  first = list(itertools.islice(loader.epoch(0), 6))  # an epoch can be ImageNet's
+  ids, batches = [i for i, _ in first], [b for _, b in first]
   flops = StageFlops(model, created.params, batches[0])
   # The model's exchange: the config's, or with 'auto' an accelerator's.
   exchange = 'ppermute' if config.pipeline.exchange == 'auto' else config.pipeline.exchange

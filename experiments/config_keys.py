@@ -17,10 +17,12 @@ MEANINGS: dict[str, str] = {
               "checkpoint, and come back if it fails before)",
 
     'data.name': "ViT: 'auto' (imagenet2012 if prepared for TFDS, else the embedded digits), "
-                 "'imagenet2012' or 'digits'; GLUE: 'glue/<task>' (sst2, mnli, qnli, ...); "
+                 "'imagenet2012', 'digits' or 'synthetic' (ImageNet-shaped random data, for speed: "
+                 "accuracy stays at chance); GLUE: 'glue/<task>' (sst2, mnli, qnli, ...); "
                  "SQuAD: 'squad/v1.1'",
     'data.data_dir': "TFDS's data dir ('': $TFDS_DATA_DIR or ~/tensorflow_datasets)",
-    'data.image_size': 'ImageNet images are prepared at this size (square); the digits are 8x8',
+    'data.image_size': 'ImageNet and synthetic images are prepared at this size (square); the '
+                       'digits are 8x8',
     'data.workers': 'threads that read an ImageNet batch (0: one per CPU core this process may '
                     'run on, at most 32); the batches are the same whatever the count',
     'data.max_seq_length': 'tokens per example (GLUE) or per window of a context (SQuAD); '
@@ -32,8 +34,8 @@ MEANINGS: dict[str, str] = {
 
     'model.kind': "the entry point's model ('vit', 'bert-classification', "
                   "'bert-question_answering'); another is refused",
-    'model.preset': "ViT: 'auto' (vit-b16 on ImageNet, custom on the digits), 'vit-b16', "
-                    "'vit-l16' or 'custom'; BERT without model.pretrained: 'bert-base', "
+    'model.preset': "ViT: 'auto' (vit-b16 on ImageNet and synthetic data, custom on the "
+                    "digits), 'vit-b16', 'vit-l16' or 'custom'; BERT without model.pretrained: 'bert-base', "
                     "'bert-large' or 'custom'",
     'model.pretrained': "HF weights to start from: a local directory or an HF cache name "
                         "('': the preset, randomly initialised)",

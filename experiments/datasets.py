@@ -1,6 +1,7 @@
 """Data sets of the experiments: ImageNet from TFDS (array_record, read with
-``tfds.data_source``, no TensorFlow) and the embedded default, scikit-learn's
-handwritten digits (1,797 real 8x8 images shipped with the package)."""
+``tfds.data_source``, no TensorFlow), the embedded default, scikit-learn's
+handwritten digits (1,797 real 8x8 images shipped with the package), and
+synthetic ImageNet-shaped data for measuring speed without a data set."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,6 +66,55 @@ def digits(eval_fraction: float = 0.2, seed: int = 0) -> Dataset:
   return Dataset('digits', ArraySource({'pixel_values': images[tr], 'labels': labels[tr]}),
                  ArraySource({'pixel_values': images[ev], 'labels': labels[ev]}),
                  num_classes=10, image_size=8, channels=1)
+
+
+#: ImageNet's (ILSVRC 2012) training and validation images, and its classes.
+IMAGENET_SIZES = (1_281_167, 50_000)
+IMAGENET_CLASSES = 1000
+
+
+class SyntheticSource:
+  """ImageNet-shaped synthetic samples for speed measurements: sample ``i``'s
+  image is one of ``pool`` fixed random images (``i % pool``) and its label a
+  hash of ``i``, both the same at every read, so a batch costs a copy and
+  runs need no data set. The labels are random: a model learns nothing from
+  them, and accuracy stays at chance (1/classes)."""
+
+  randomly_augmented = False
+
+  def __init__(self, size: int, image_size: int, classes: int = IMAGENET_CLASSES,
+               seed: int = 0, pool: int = 64):
+    if size < 1 or image_size < 1 or classes < 1 or pool < 1:
+      raise ValueError(f'synthetic data needs positive sizes, got size={size}, '
+                       f'image_size={image_size}, classes={classes}, pool={pool}')
+    self.size, self.classes, self.seed = int(size), int(classes), int(seed)
+    self.preparation = {'synthetic': {'image_size': int(image_size), 'pool': int(pool)}}
+    rng = np.random.default_rng([self.seed, image_size, pool])
+    # In [-1, 1], as the centre crop of a real image is scaled.
+    self.pool = rng.uniform(-1.0, 1.0, (pool, image_size, image_size, 3)).astype(np.float32)
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+    ids = np.asarray(ids, np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= self.size):
+      raise IndexError(f'sample IDs must lie in [0, {self.size}), got '
+                       f'{int(ids.min())}..{int(ids.max())}')
+    # Knuth's multiplicative hash of (ID, seed), taken modulo the classes.
+    mixed = (ids.astype(np.uint64) + np.uint64(self.seed)) * np.uint64(2654435761)
+    labels = ((mixed >> np.uint64(7)) % np.uint64(self.classes)).astype(np.int32)
+    return {'pixel_values': self.pool[ids % len(self.pool)], 'labels': labels}
+
+
+def synthetic(image_size: int, seed: int = 0) -> Dataset:
+  """ImageNet-shaped synthetic data (:class:`SyntheticSource`): as many
+  training and evaluation samples as ImageNet, ``image_size`` square RGB
+  images, 1000 classes. For speed: its accuracy is chance."""
+  train, evaluation = (SyntheticSource(n, image_size, seed=seed + i)
+                       for i, n in enumerate(IMAGENET_SIZES))
+  return Dataset('synthetic', train, evaluation, num_classes=IMAGENET_CLASSES,
+                 image_size=image_size, channels=3)
 
 
 def _imagenet_transform(image_size: int, processor=None):

@@ -207,6 +207,11 @@ def resolve_data(config, task: str = 'vit'):
   name = config.data.name
   if name == 'digits':
     return datasets.digits(seed=config.seed)
+  if name == 'synthetic':
+    _log(f'data.name=synthetic: ImageNet-shaped random images of {config.data.image_size}x'
+         f'{config.data.image_size} and random labels, for measuring speed (accuracy stays '
+         f'at chance)')
+    return datasets.synthetic(config.data.image_size, seed=config.seed)
   if name in ('auto', 'imagenet2012'):
     data_dir = config.data.data_dir
     if (name == 'auto' and data_dir and '://' not in data_dir
@@ -230,7 +235,8 @@ def resolve_data(config, task: str = 'vit'):
     _log(f'ImageNet not found ({reason}); running the embedded default: '
          f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
     return datasets.digits(seed=config.seed)
-  raise ConfigError(f"data.name must be 'auto', 'imagenet2012' or 'digits', got {name!r}")
+  raise ConfigError(f"data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic', "
+                    f"got {name!r}")
 
 
 #: The files a run writes into its workdir (beside ``checkpoints/``).
@@ -436,11 +442,11 @@ def resolve_model(config, data, task: str = 'vit') -> models.Created:
                         f'{data.name} has {data.image_size}x{data.image_size} of '
                         f'{data.channels}' + (' (set data.image_size)' if (
                             hf.num_channels == data.channels
-                            and data.name.startswith('imagenet')) else ''))
+                            and data.name != 'digits') else ''))
     return created
   preset = m.preset
   if preset == 'auto':
-    preset = 'vit-b16' if data.name.startswith('imagenet') else 'custom'
+    preset = 'custom' if data.name == 'digits' else 'vit-b16'
   if preset == 'custom':
     _check_custom_model(m)
     overrides = dict(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,

@@ -30,13 +30,13 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.data = ml_collections.ConfigDict()
-  c.data.name = 'auto'  # 'auto': imagenet2012 if prepared, else digits
+  c.data.name = 'auto'  # 'auto': imagenet2012 if prepared, else digits; or 'synthetic'
   c.data.data_dir = ''
-  c.data.image_size = 224  # ImageNet only; digits are 8x8
+  c.data.image_size = 224  # ImageNet and synthetic; digits are 8x8
   c.data.workers = 0  # ImageNet: threads that read a batch (0: one per CPU core, at most 32)
   c.model = ml_collections.ConfigDict()
   c.model.kind = 'vit'
-  c.model.preset = 'auto'  # 'auto': vit-b16 on ImageNet, 'custom' (below) on digits
+  c.model.preset = 'auto'  # 'auto': vit-b16 on ImageNet/synthetic, 'custom' (below) on digits
   c.model.pretrained = ''  # a local directory or HF cache name for from_pretrained
   c.model.hidden_size = 64
   c.model.num_layers = 12

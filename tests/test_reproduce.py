@@ -477,7 +477,8 @@ def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_p
            ('plain_dp', 'busy', 'summary.json is a directory, where the run writes its file'),
            # bench_plans writes no summary.json: only its own file is checked.
            ('bench_plans', 'busy', 'bench_plans.json is a directory, where the run writes its'),
-           ('bench_plans', 'fresh', "data.name must be 'auto', 'imagenet2012' or 'digits'")]
+           ('bench_plans', 'fresh',
+            "data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic'")]
   for module, workdir, message in cases:
     args = ['--config.train.epochs=1', '--config.train.max_steps_per_epoch=1']
     if 'data.name' in message:  # a config error: one line too

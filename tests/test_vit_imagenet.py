@@ -163,6 +163,48 @@ def test_imagenet_path_on_mock_tfds(tmp_path):
   assert rows[1]['frozen_layers'] == 2
 
 
+def test_synthetic_data_are_the_same_at_every_read_and_run_the_main_job(tmp_path):
+  """``data.name=synthetic``: ImageNet's sizes and classes, a sample the same
+  at every read (in any batch), labels spread over the classes, IDs out of
+  range refused; 'auto' picks ViT-B/16 for it; a run trains on it."""
+  data = datasets.synthetic(16, seed=3)
+  assert (len(data.train), len(data.eval)) == datasets.IMAGENET_SIZES
+  assert (data.num_classes, data.image_size, data.channels) == (1000, 16, 3)
+  ids = np.array([5, 1_281_166, 5, 70, 6])
+  batch = data.train[ids]
+  assert batch['pixel_values'].shape == (5, 16, 16, 3)
+  assert batch['pixel_values'].dtype == np.float32 and batch['labels'].dtype == np.int32
+  np.testing.assert_array_equal(batch['pixel_values'][0], batch['pixel_values'][2])
+  assert batch['labels'][0] == batch['labels'][2]
+  again = datasets.synthetic(16, seed=3).train[ids[::-1]]  # another instance, another order
+  np.testing.assert_array_equal(again['pixel_values'], batch['pixel_values'][::-1])
+  np.testing.assert_array_equal(again['labels'], batch['labels'][::-1])
+  assert not np.array_equal(batch['pixel_values'][0], batch['pixel_values'][4])
+  assert np.abs(batch['pixel_values']).max() <= 1.0
+  labels = data.train[np.arange(20_000)]['labels']
+  counts = np.bincount(labels, minlength=1000)
+  assert labels.min() >= 0 and labels.max() < 1000 and counts.min() >= 5  # about 20 each
+  assert not np.array_equal(labels[:1000], data.eval[np.arange(1000)]['labels'])
+  for bad in ([-1], [1_281_167]):
+    with pytest.raises(IndexError, match='sample IDs must lie in'):
+      data.train[np.array(bad)]
+  # 'auto' takes ViT-B/16, whose 16-pixel patches do not divide 8x8 images.
+  small = _config(tmp_path, **{'data.name': 'synthetic', 'data.image_size': 8})
+  with pytest.raises(elastic.ConfigError, match=r'the patch size 16 \(model.preset=vit-b16\) '
+                     r'must divide the 8x8 images of synthetic'):
+    elastic.resolve_model(small, elastic.resolve_data(small))
+  config = _config(tmp_path, **{'data.name': 'synthetic', 'data.image_size': 8,
+                                'model.preset': 'custom', 'model.num_layers': 4,
+                                'model.hidden_size': 16, 'model.intermediate_size': 32,
+                                'pipeline.initial_length': 4, 'train.max_steps_per_epoch': 2,
+                                'pipeline.micro_batches': 4})
+  workdir = str(tmp_path / 'synthetic')
+  summary = elastic.run(config, workdir, task='vit')
+  assert summary['data'] == 'synthetic'
+  rows, _ = fixtures.check_run_outputs(workdir, 2)
+  assert rows[1]['frozen_layers'] == 2 and rows[0]['pipeline_length'] == 4
+
+
 def test_an_imagenet_batch_is_read_by_worker_threads_row_for_row():
   """``TfdsSource`` reads, decodes and prepares a batch's images on worker
   threads; the batch is the one a single thread gives, in the IDs' order
