@@ -284,10 +284,31 @@ def test_stage_flops_refuse_a_backend_without_cost_analysis(monkeypatch):
   created = fixtures.tiny('vit')
   flops = bench_plans.StageFlops(created.model, created.params,
                                  fixtures.batch('vit', created.model, 2))
+  assert flops.device == jax.devices('cpu')[0]
   monkeypatch.setattr(jax.stages.Compiled, 'cost_analysis', lambda self: {})
   with pytest.raises(ValueError, match=r'^XLA reports no FLOPs for a stage of attention\+mlp '
                                        r'on cpu: the model needs its cost analysis$'):
     flops.backward(('attention', 'mlp'))
+
+
+def test_stage_flops_are_counted_on_a_cpu_device_where_there_is_one(monkeypatch):
+  """XLA's GPU cost analysis misses the matrix products cuBLAS runs, so the
+  FLOPs come from a CPU device; a process without one (JAX_PLATFORMS) uses
+  its default backend's first device."""
+  created = fixtures.tiny('vit')
+  batch = fixtures.batch('vit', created.model, 2)
+  second = jax.devices('cpu')[1]
+  assert bench_plans.StageFlops(created.model, created.params, batch,
+                                device=second).device == second
+  devices = jax.devices
+
+  def no_cpu(backend=None):
+    if backend == 'cpu':
+      raise RuntimeError('Unknown backend cpu')
+    return devices(backend)
+  monkeypatch.setattr(jax, 'devices', no_cpu)
+  flops = bench_plans.StageFlops(created.model, created.params, batch)
+  assert flops.device == devices()[0] and flops.forward(('attention',)) > 0
 
 
 _REPORT = """\
