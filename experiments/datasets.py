@@ -97,14 +97,25 @@ class SyntheticSource:
     return self.size
 
   def __getitem__(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-    ids = np.asarray(ids, np.int64)
+    ids = np.asarray(ids)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+      raise TypeError(f'sample IDs must be integers, got {ids.dtype}')
+    ids = ids.astype(np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= self.size):
       raise IndexError(f'sample IDs must lie in [0, {self.size}), got '
                        f'{int(ids.min())}..{int(ids.max())}')
-    # Knuth's multiplicative hash of (ID, seed), taken modulo the classes.
-    mixed = (ids.astype(np.uint64) + np.uint64(self.seed)) * np.uint64(2654435761)
-    labels = ((mixed >> np.uint64(7)) % np.uint64(self.classes)).astype(np.int32)
-    return {'pixel_values': self.pool[ids % len(self.pool)], 'labels': labels}
+    return {'pixel_values': self.pool[ids % len(self.pool)], 'labels': self._labels(ids)}
+
+  def _labels(self, ids: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser of (seed, ID), modulo the classes: labels with
+    no pattern along the IDs, another set for another seed."""
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over='ignore'):  # arithmetic modulo 2**64, as meant
+      x = ids.astype(np.uint64) + np.uint64(self.seed + 1) * golden
+      x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+      x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+      x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(self.classes)).astype(np.int32)
 
 
 def synthetic(image_size: int, seed: int = 0) -> Dataset:

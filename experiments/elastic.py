@@ -1,7 +1,7 @@
 """The shared body of the elastic training entry points: resolve data and model
 from the config, run :class:`pipejax.trainer.Trainer`, write the outputs.
 
-``task`` picks the data and model: ``'vit'`` (ImageNet or digits, ViT),
+``task`` picks the data and model: ``'vit'`` (ImageNet, digits or synthetic, ViT),
 ``'bert_glue'`` (a GLUE task, ``FlaxBertForSequenceClassification``; one
 output and a mean-squared-error loss for the regression STS-B)
 or ``'bert_squad'`` (SQuAD v1.1, ``FlaxBertForQuestionAnswering``)."""

@@ -3,6 +3,8 @@
 With ImageNet prepared for TFDS (array_record) it trains ViT-B/16 on it;
 otherwise it says so in one line and runs the embedded default: a 12-block ViT
 on scikit-learn's digits, 8 fake CPU devices, starting at pipeline length 8.
+``--config.data.name=synthetic`` measures speed on ImageNet-shaped random data
+without a data set.
 
 Flags: ``--config`` (this file by default; overrides such as
 ``--config.freeze.alpha=0.5``) and ``--workdir`` (default: a fresh folder

@@ -228,6 +228,26 @@ def test_the_accuracy_target_is_the_baseline_minus_full_in_points(tmp_path, drop
   assert out['targets_met']['accuracy_points'] is met
 
 
+def test_on_synthetic_data_the_accuracy_target_is_not_measured(tmp_path, capsys):
+  """Random labels keep accuracy at chance for every variant: the accuracy
+  target says so instead of being met by equal chance levels."""
+  class Synthetic(_FakeRunner):
+    def _execute(self, name, module, args):
+      out = super()._execute(name, module, args)
+      out['summary']['data'] = 'synthetic'
+      return out
+
+  out = reproduce.breakdown(Synthetic(drop=0.0), str(tmp_path))
+  assert set(out['targets']) == set(out['targets_met']) == {'full_vs_baseline',
+                                                            'full_vs_plain_dp'}
+  assert out['targets_not_measured'] == {
+      'accuracy_points': 'synthetic data: random labels, accuracy stays at chance'}
+  assert 'target accuracy_points: not measured (synthetic data' in capsys.readouterr().out
+  with open(tmp_path / 'breakdown.json') as f:
+    assert 'accuracy_points' in json.load(f)['targets_not_measured']
+  assert reproduce.breakdown(_FakeRunner(), str(tmp_path))['targets_not_measured'] == {}
+
+
 def test_a_speed_target_reached_exactly_is_met(tmp_path):
   """The issue's targets are "at least": 2.5x the baseline and 1.3x plain_dp."""
   out = reproduce.breakdown(_FakeRunner(alpha=0.2), str(tmp_path))  # 30 s / 12 s
