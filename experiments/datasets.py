@@ -68,6 +68,8 @@ def digits(eval_fraction: float = 0.2, seed: int = 0) -> Dataset:
                  num_classes=10, image_size=8, channels=1)
 
 
+#: ``data.image_size`` of the main job's config: ViT-B/16's 224x224.
+DEFAULT_IMAGE_SIZE = 224
 #: ImageNet's (ILSVRC 2012) training and validation images, and its classes.
 IMAGENET_SIZES = (1_281_167, 50_000)
 IMAGENET_CLASSES = 1000

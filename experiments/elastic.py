@@ -206,7 +206,7 @@ def resolve_data(config, task: str = 'vit'):
     raise ConfigError(f'unknown task {task!r}; expected one of {TASKS}')
   name = config.data.name
   if name == 'digits':
-    return datasets.digits(seed=config.seed)
+    return _digits(config)
   if name == 'synthetic':
     _log(f'data.name=synthetic: ImageNet-shaped random images of {config.data.image_size}x'
          f'{config.data.image_size} and random labels, for measuring speed (accuracy stays '
@@ -234,9 +234,18 @@ def resolve_data(config, task: str = 'vit'):
         reason = str(e).split(';')[0]
     _log(f'ImageNet not found ({reason}); running the embedded default: '
          f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
-    return datasets.digits(seed=config.seed)
+    return _digits(config)
   raise ConfigError(f"data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic', "
                     f"got {name!r}")
+
+
+def _digits(config) -> datasets.Dataset:
+  """The embedded digits; a ``data.image_size`` other than the default is
+  said to have no effect on them (they are 8x8), in one line."""
+  if config.data.image_size != datasets.DEFAULT_IMAGE_SIZE:
+    _log(f'note: data.image_size={config.data.image_size} applies to ImageNet and synthetic '
+         f'data; the digits stay 8x8')
+  return datasets.digits(seed=config.seed)
 
 
 #: The files a run writes into its workdir (beside ``checkpoints/``).

@@ -23,7 +23,7 @@ runtime.setup(8)
 # pylint: disable=wrong-import-position
 import ml_collections  # noqa: E402
 
-from experiments import elastic  # noqa: E402
+from experiments import datasets, elastic  # noqa: E402
 from pipejax import autopipe  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.name = 'auto'  # 'auto': imagenet2012 if prepared, else digits; or 'synthetic'
   c.data.data_dir = ''
-  c.data.image_size = 224  # ImageNet and synthetic; digits are 8x8
+  c.data.image_size = datasets.DEFAULT_IMAGE_SIZE  # 224: ImageNet and synthetic; digits are 8x8
   c.data.workers = 0  # ImageNet: threads that read a batch (0: one per CPU core, at most 32)
   c.model = ml_collections.ConfigDict()
   c.model.kind = 'vit'

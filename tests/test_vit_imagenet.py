@@ -210,6 +210,19 @@ def test_synthetic_data_are_the_same_at_every_read_and_run_the_main_job(tmp_path
   assert rows[1]['frozen_layers'] == 2 and rows[0]['pipeline_length'] == 4
 
 
+def test_an_image_size_the_digits_cannot_take_is_said_in_one_line(tmp_path, capsys):
+  """The digits are 8x8 whatever data.image_size says: a size other than the
+  default is named, once, and the data are the digits as ever."""
+  for size, said in ((32, True), (datasets.DEFAULT_IMAGE_SIZE, False)):
+    data = elastic.resolve_data(_config(tmp_path, **{'data.name': 'digits',
+                                                     'data.image_size': size}))
+    assert (data.name, data.image_size) == ('digits', 8)
+    out = capsys.readouterr().out
+    assert (f'note: data.image_size={size} applies to ImageNet and synthetic data; the '
+            f'digits stay 8x8' in out) is said
+    assert out.count('\n') == int(said)
+
+
 def test_an_imagenet_batch_is_read_by_worker_threads_row_for_row():
   """``TfdsSource`` reads, decodes and prepares a batch's images on worker
   threads; the batch is the one a single thread gives, in the IDs' order
