@@ -35,8 +35,8 @@ MEANINGS: dict[str, str] = {
     'model.kind': "the entry point's model ('vit', 'bert-classification', "
                   "'bert-question_answering'); another is refused",
     'model.preset': "ViT: 'auto' (vit-b16 on ImageNet and synthetic data, custom on the "
-                    "digits), 'vit-b16', 'vit-l16' or 'custom'; BERT without model.pretrained: 'bert-base', "
-                    "'bert-large' or 'custom'",
+                    "digits), 'vit-b16', 'vit-l16' or 'custom'; BERT without "
+                    "model.pretrained: 'bert-base', 'bert-large' or 'custom'",
     'model.pretrained': "HF weights to start from: a local directory or an HF cache name "
                         "('': the preset, randomly initialised)",
     'model.tokenizer': "BERT: the tokenizer's directory or HF cache name ('': "
