@@ -377,24 +377,35 @@ def test_cpu_and_switches_count_every_thread_of_this_process():
 def _fake_perf(tmp_path, record_fails=False, report_fails=False, fail_from=0, report=_REPORT):
   """A ``perf`` that records its arguments until SIGINT and reports
   ``report``, or fails as told (``fail_from``: its records from that one on,
-  counting from 1)."""
+  counting from 1). It is a Python script, not a shell one: a shell cannot
+  trap a SIGINT that it inherited ignored, as every command started in the
+  background by a shell without job control (``cmd &`` in a script) does,
+  while Python, like the real perf, installs its handler regardless."""
   script = tmp_path / 'perf'
   count = tmp_path / 'perf-records'
-  fails = 'true' if record_fails else (
-      f'[ {fail_from} -gt 0 ] && [ "$(wc -l < {count})" -ge {fail_from} ]')
-  script.write_text(f"""#!/bin/bash
-if [ "$1" = record ]; then
-  echo >> {count}
-  for a in "$@"; do if [ "$prev" = -o ]; then out="$a"; fi; prev="$a"; done
-  if {fails}; then
-    echo "Error: no access to perf events (kernel.perf_event_paranoid=4)" >&2; exit 255
-  fi
-  trap 'echo "$@" > "$out"; exit 0' INT
-  while true; do sleep 0.02; done
-fi
-{'echo "failed to open $3: No such file" >&2; exit 1' if report_fails else ''}
-cat <<'REPORT'
-{report}REPORT
+  script.write_text(f"""#!{sys.executable}
+import os, signal, sys, time
+args = sys.argv[1:]
+if args[0] == 'record':
+  with open({str(count)!r}, 'a') as f:
+    f.write('\\n')
+  with open({str(count)!r}) as f:
+    records = len(f.readlines())
+  if {record_fails!r} or 0 < {fail_from!r} <= records:
+    print('Error: no access to perf events (kernel.perf_event_paranoid=4)', file=sys.stderr)
+    sys.exit(255)
+  out = args[args.index('-o') + 1]
+  def stop(signum, frame):
+    with open(out, 'w') as f:
+      f.write(' '.join(args) + '\\n')
+    os._exit(0)
+  signal.signal(signal.SIGINT, stop)
+  while True:
+    time.sleep(0.02)
+if {report_fails!r}:
+  print(f'failed to open {{args[2]}}: No such file', file=sys.stderr)
+  sys.exit(1)
+sys.stdout.write({report!r})
 """)
   script.chmod(0o755)
   return str(script)
