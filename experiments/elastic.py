@@ -806,6 +806,16 @@ def lock_workdir(workdir: str, held: contextlib.ExitStack,
     raise ConfigError(f'{refusal}: wait for it to end or stop it, or use another --workdir')
 
 
+def _claim_workdir(workdir: str, checkpoints_enabled: bool, held: contextlib.ExitStack) -> None:
+  """Makes ``workdir`` ready (:func:`check_workdir`), holds it for the run
+  until ``held`` closes (:func:`lock_workdir`) and, with several processes,
+  checks that it is one folder for all of them, before anything is written
+  there. Collective with several processes."""
+  check_workdir(workdir, checkpoints_enabled)
+  lock_workdir(workdir, held, _log)
+  distributed.check_shared_folder(workdir)
+
+
 def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bool] | None,
          held: contextlib.ExitStack) -> dict:
   """:func:`run`, holding what it claims until ``held`` closes."""
@@ -826,6 +836,12 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
                       f'batches); run it without distributed.coordinator')
   devices = distributed.ordered_devices()[:config.pipeline.devices]
+  if jax.process_count() > 1:
+    # A job's workdir (given, as checked above) is claimed and checked for
+    # being one shared folder before every host reads its data and model,
+    # which can take minutes. One process claims it below: a data set or
+    # model that fails to load then leaves no new folder behind.
+    _claim_workdir(workdir, config.checkpoint.enabled, held)
   data = resolve_data(config, task)
   # 'auto' looks on each host's own disk: every process must have found the same.
   distributed.check_same_data(config, f'{data.name}, {len(data.train)} training and '
@@ -837,9 +853,8 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
                       f'{model.num_layers} layers')
   if not workdir:
     workdir = _fresh_workdir(task)
-  check_workdir(workdir, config.checkpoint.enabled)
-  lock_workdir(workdir, held, _log)
-  distributed.check_shared_folder(workdir)  # several processes: before anything is written
+  if jax.process_count() == 1:
+    _claim_workdir(workdir, config.checkpoint.enabled, held)
   # What a start over left: before anything reads the workdir's outputs.
   _recover(workdir, config.resume)
   _all_processes_here()

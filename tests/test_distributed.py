@@ -434,11 +434,13 @@ def test_the_job_refuses_a_pipeline_longer_than_a_process(tmp_path):
 def test_a_job_on_a_workdir_in_use_is_refused_on_every_process(tmp_path):
   """A one-process run holds the workdir (its ``.lock``, which a job's
   process 0 takes too): the job stops on both processes in one line, before
-  it trains or writes anything."""
+  it trains or writes anything, and before it reads its data (here a data set
+  that is not there, whose error would come first otherwise)."""
   workdir = tmp_path / 'job'
   workdir.mkdir()
+  unloadable = {**SMALL, 'data.name': 'imagenet2012', 'data.data_dir': str(tmp_path / 'none')}
   with fixtures.lock_held_elsewhere(workdir / elastic.LOCK_FILE) as pid:
-    results = _finish(_launch(str(workdir), SMALL), timeout=240)
+    results = _finish(_launch(str(workdir), unloadable), timeout=240)
   lines = [stderr.strip().splitlines()[-1] for _, _, stderr in results]
   assert [code for code, _, _ in results] == [2, 2], lines
   assert lines[0].startswith(f'error: --workdir={workdir} is in use by another run (pid '
