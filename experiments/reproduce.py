@@ -273,6 +273,23 @@ def _figure(workdir: str, name: str, draw) -> None:
 
 
 # -- parts ------------------------------------------------------------------------
+#: Why accuracy means nothing on ``data.name=synthetic`` (random labels).
+CHANCE = 'synthetic data: random labels, accuracy stays at chance'
+
+
+def _chance(result: dict) -> str | None:
+  """:data:`CHANCE` where ``result`` (a run) trained on synthetic data."""
+  return CHANCE if result['summary'].get('data') == 'synthetic' else None
+
+
+def _say_chance(payload: dict, result: dict) -> None:
+  """A part whose accuracies are at chance says so, printed and in its JSON
+  (``accuracy_not_measured``), instead of reporting them as results."""
+  if _chance(result):
+    payload['accuracy_not_measured'] = CHANCE
+    print(f'  accuracy: not measured ({CHANCE})')
+
+
 def breakdown(runner: Runner, workdir: str) -> dict:
   results = {name: runner.variant(name) for name in BREAKDOWN if name in runner.variants}
   base = results['baseline']
@@ -282,8 +299,8 @@ def breakdown(runner: Runner, workdir: str) -> dict:
   if 'full' in by:
     full = by['full']
     targets['full_vs_baseline'] = full['speedup']
-    if base['summary'].get('data') == 'synthetic':
-      skipped['accuracy_points'] = 'synthetic data: random labels, accuracy stays at chance'
+    if _chance(base):
+      skipped['accuracy_points'] = CHANCE
     else:
       # Rounded as bench_elastic does: 1.0000000000000009 points is 1 point.
       targets['accuracy_points'] = round(100 * (by['baseline']['final_eval_accuracy'] -
@@ -346,6 +363,7 @@ def alpha(runner: Runner, workdir: str) -> dict:
                 ('speedup', 'speed-up', '.2f'), ('flop_limit_speedup', 'FLOP limit', '.2f'),
                 ('efficiency', 'efficiency', '.2f'), ('final_eval_accuracy', 'accuracy', '.4f')])
   payload = {'baseline': describe_run(base, None), 'rows': rows}
+  _say_chance(payload, base)
   _write(workdir, 'alpha', payload)
 
   def draw(ax):
@@ -454,6 +472,7 @@ def table1(runner: Runner, workdir: str) -> dict:
   print(f'  speed-up {statistics.mean(speedups):.2f}x (per seed '
         f'{", ".join(f"{x:.2f}" for x in speedups)})')
   payload = {'rows': rows, 'speedup': stats(speedups)}
+  _say_chance(payload, runs['baseline'][0])
   _write(workdir, 'table1', payload)
 
   def draw(ax):

@@ -246,6 +246,14 @@ def test_on_synthetic_data_the_accuracy_target_is_not_measured(tmp_path, capsys)
   with open(tmp_path / 'breakdown.json') as f:
     assert 'accuracy_points' in json.load(f)['targets_not_measured']
   assert reproduce.breakdown(_FakeRunner(), str(tmp_path))['targets_not_measured'] == {}
+  # The other parts with accuracies say it too, printed and in their JSON.
+  capsys.readouterr()
+  for part in (reproduce.alpha, reproduce.table1):
+    assert part(Synthetic(), str(tmp_path))['accuracy_not_measured'] == reproduce.CHANCE
+    assert capsys.readouterr().out.count(f'accuracy: not measured ({reproduce.CHANCE})') == 1
+    with open(tmp_path / f'{part.__name__}.json') as f:
+      assert json.load(f)['accuracy_not_measured'] == reproduce.CHANCE
+    assert 'accuracy_not_measured' not in part(_FakeRunner(), str(tmp_path))
 
 
 def test_a_speed_target_reached_exactly_is_met(tmp_path):
