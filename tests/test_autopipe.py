@@ -358,7 +358,16 @@ def _min_max_by_bisection(pieces, stages):
   return candidates[lo]
 
 
-def test_plan_cli_vit_b16():
+def _plan_main(capsys, *args) -> dict:
+  """``python -m pipejax.plan --model vit-b16 --devices 8 *args`` in this
+  process (the test below runs the real command once): its JSON."""
+  from pipejax import plan as plan_lib  # noqa: PLC0415
+  capsys.readouterr()
+  assert plan_lib.main(['--model', 'vit-b16', '--devices', '8', *args]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_plan_cli_vit_b16(capsys):
   out = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
                         '--devices', '8', '--frozen-layers', '0'],
                        capture_output=True, text=True, check=True)
@@ -390,10 +399,7 @@ def test_plan_cli_vit_b16():
   assert plan['max_stage_parameters'] == _min_max_by_bisection(pieces, 8) == 11_815_680
   # Whole sub-layers only (--split-mlp-min-gain 1): every split of the units
   # into 8 contiguous stages; none reaches 12.0M.
-  whole = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
-                          '--devices', '8', '--split-mlp-min-gain', '1'],
-                         capture_output=True, text=True, check=True)
-  whole = json.loads(whole.stdout)
+  whole = _plan_main(capsys, '--split-mlp-min-gain', '1')
   assert whole['split_mlp'] == []
   units = [embed] + [attn, mlp_in + mlp_out] * 12 + [head]
   prefix = np.concatenate([[0], np.cumsum(units)])
@@ -403,10 +409,7 @@ def test_plan_cli_vit_b16():
   best = int(np.diff(prefix[bounds], axis=1).max(axis=1).min())
   assert whole['max_stage_parameters'] == best == _min_max_by_bisection(units, 8) == 12_582_376
   # A gain threshold above what the split brings (6.1 %) keeps whole sub-layers.
-  assert json.loads(subprocess.run(
-      [sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16', '--devices', '8',
-       '--split-mlp-min-gain', '0.07'], capture_output=True, text=True,
-      check=True).stdout)['max_stage_parameters'] == 12_582_376
+  assert _plan_main(capsys, '--split-mlp-min-gain', '0.07')['max_stage_parameters'] == 12_582_376
   assert len(plan['estimated_memory_per_stage']) == 8
   # A device holds its layout (its own stage inside it) and the frozen prefix.
   from pipejax import plan as plan_lib  # noqa: PLC0415
@@ -416,23 +419,18 @@ def test_plan_cli_vit_b16():
       assert m['total_bytes'] == m['stage_layout_bytes'] + m['frozen_prefix_bytes']
       assert (m['frozen_prefix_bytes'] == 0) == (f == 0)
   def frozen(layers, *gain):
-    out = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-b16',
-                          '--devices', '8', '--frozen-layers', str(layers), *gain],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+    return _plan_main(capsys, '--frozen-layers', str(layers), *gain)
 
   # Eq. 2 compresses against the whole-sub-layer largest stage at T = 0
   # (12.58M), not the split one (11.82M): a split does not change what a
   # device stores. With 8 blocks frozen, K = 4's proxy is 11.94M (its first
   # stage carries λ·S_frozen = 9.57M): within 12.58M, so K = 4 either way.
   for gain in ((), ('--split-mlp-min-gain', '1')):
-    assert frozen(8, *gain)['pipeline_length'] == 4
-    assert frozen(8, *gain)['memory_proxy_eq2'] == 11_938_176
+    eight = frozen(8, *gain)
+    assert eight['pipeline_length'] == 4 and eight['memory_proxy_eq2'] == 11_938_176
   assert frozen(9)['pipeline_length'] == 4  # 7 active units: K = 8 cannot run
-  bad = subprocess.run([sys.executable, '-m', 'pipejax.plan', '--model', 'vit-x',
-                        '--devices', '8'], capture_output=True, text=True)
-  assert bad.returncode == 2 and "unknown model 'vit-x'" in bad.stderr
-  assert 'Traceback' not in bad.stderr
+  assert plan_lib.main(['--model', 'vit-x', '--devices', '8']) == 2
+  assert "unknown model 'vit-x'" in capsys.readouterr().err
   with pytest.raises(ValueError, match='--devices must be >= 1, got 0'):
     plan_lib.build_plan('vit-b16', 0, 0)
   with pytest.raises(ValueError, match='--initial-pipeline-length must be >= 1, got 0'):
