@@ -235,8 +235,19 @@ def resolve_data(config, task: str = 'vit'):
     _log(f'ImageNet not found ({reason}); running the embedded default: '
          f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
     return _digits(config)
-  raise ConfigError(f"data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic', "
-                    f"got {name!r}")
+  check_vit_data_name(config)
+  raise AssertionError(name)  # unreachable: every accepted name returned above
+
+
+#: The data sets of the ViT task (``data.name``).
+VIT_DATA = ('auto', 'imagenet2012', 'digits', 'synthetic')
+
+
+def check_vit_data_name(config) -> None:
+  """``data.name`` is one of :data:`VIT_DATA`, else a :class:`ConfigError`."""
+  if config.data.name not in VIT_DATA:
+    raise ConfigError(f"data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic', "
+                      f"got {config.data.name!r}")
 
 
 def _digits(config) -> datasets.Dataset:
@@ -839,8 +850,12 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   if jax.process_count() > 1:
     # A job's workdir (given, as checked above) is claimed and checked for
     # being one shared folder before every host reads its data and model,
-    # which can take minutes. One process claims it below: a data set or
-    # model that fails to load then leaves no new folder behind.
+    # which can take minutes; the settings refused without them come first.
+    # One process claims it below: a data set or model that fails to load
+    # then leaves no new folder behind.
+    check_kind(config, task)
+    if task == 'vit':  # the only task of several processes (above)
+      check_vit_data_name(config)
     _claim_workdir(workdir, config.checkpoint.enabled, held)
   data = resolve_data(config, task)
   # 'auto' looks on each host's own disk: every process must have found the same.

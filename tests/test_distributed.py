@@ -451,6 +451,19 @@ def test_a_job_on_a_workdir_in_use_is_refused_on_every_process(tmp_path):
 
 
 @JOBS
+def test_a_job_with_a_bad_data_name_is_refused_before_it_claims_the_workdir(tmp_path):
+  """A job claims its workdir before its data loads, but after the settings
+  that need no data: an unknown data set creates no folder."""
+  workdir = tmp_path / 'job'
+  results = _finish(_launch(str(workdir), {**SMALL, 'data.name': 'mnist'}), timeout=240)
+  lines = [stderr.strip().splitlines()[-1] for _, _, stderr in results]
+  assert [code for code, _, _ in results] == [2, 2], lines
+  assert lines == ["error: data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic', "
+                   "got 'mnist'"] * 2
+  assert not workdir.exists()
+
+
+@JOBS
 def test_a_process_that_cannot_join_says_so_in_one_line(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
