@@ -283,8 +283,8 @@ def _chance(result: dict) -> str | None:
 
 
 def _say_chance(payload: dict, result: dict) -> None:
-  """A part whose accuracies are at chance says so, printed and in its JSON
-  (``accuracy_not_measured``), instead of reporting them as results."""
+  """A part whose accuracies are at chance says so beside them, printed and in
+  its JSON (``accuracy_not_measured``)."""
   if _chance(result):
     payload['accuracy_not_measured'] = CHANCE
     print(f'  accuracy: not measured ({CHANCE})')
