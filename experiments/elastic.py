@@ -181,10 +181,8 @@ def _tokenizer_path(config) -> str:
 def resolve_data(config, task: str = 'vit'):
   """The task's data set (:class:`datasets.Dataset` or
   :class:`text_data.TextDataset`, with its evaluator for text tasks). The
-  model settings that can be refused without the data are, first."""
-  check_kind(config, task)
-  if task in ('bert_glue', 'bert_squad'):
-    check_tokenizer_fits(config)  # before any text is tokenized
+  settings that can be refused without the data are, first."""
+  check_settings_without_data(config, task)
   if task == 'bert_glue':
     name, _ = text_data.glue_task(config.data.name)
     data = text_data.glue(config.data.name, _tokenizer_path(config), config.data.max_seq_length,
@@ -212,42 +210,46 @@ def resolve_data(config, task: str = 'vit'):
          f'{config.data.image_size} and random labels, for measuring speed (accuracy stays '
          f'at chance)')
     return datasets.synthetic(config.data.image_size, seed=config.seed)
-  if name in ('auto', 'imagenet2012'):
-    data_dir = config.data.data_dir
-    if (name == 'auto' and data_dir and '://' not in data_dir
-        and not os.path.isdir(os.path.expanduser(data_dir))):
-      raise ConfigError(f'data.data_dir={data_dir} is not a directory (data.name=auto falls '
-                        f'back to the digits only where ImageNet is absent)')
-    # 'auto' looks for a prepared copy first: without one, TFDS is not even imported.
-    # A local copy that looks prepared but cannot be read is an error, never the
-    # fallback; on a remote file system only TFDS can tell absent from broken.
-    reason = datasets.imagenet_missing(data_dir) if name == 'auto' else None
-    if reason is None:
-      try:
-        return datasets.imagenet(data_dir, config.data.image_size,
-                                 make_processor=lambda: _image_processor(config),
-                                 workers=config.data.workers or None)
-      except datasets.DatasetMissing as e:
-        root = data_dir or os.environ.get('TFDS_DATA_DIR', '')
-        if name != 'auto' or '://' not in root:
-          raise
-        reason = str(e).split(';')[0]
-    _log(f'ImageNet not found ({reason}); running the embedded default: '
-         f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
-    return _digits(config)
-  check_vit_data_name(config)
-  raise AssertionError(name)  # unreachable: every accepted name returned above
+  # 'auto' or 'imagenet2012' (data.name was checked first)
+  data_dir = config.data.data_dir
+  if (name == 'auto' and data_dir and '://' not in data_dir
+      and not os.path.isdir(os.path.expanduser(data_dir))):
+    raise ConfigError(f'data.data_dir={data_dir} is not a directory (data.name=auto falls '
+                      f'back to the digits only where ImageNet is absent)')
+  # 'auto' looks for a prepared copy first: without one, TFDS is not even imported.
+  # A local copy that looks prepared but cannot be read is an error, never the
+  # fallback; on a remote file system only TFDS can tell absent from broken.
+  reason = datasets.imagenet_missing(data_dir) if name == 'auto' else None
+  if reason is None:
+    try:
+      return datasets.imagenet(data_dir, config.data.image_size,
+                               make_processor=lambda: _image_processor(config),
+                               workers=config.data.workers or None)
+    except datasets.DatasetMissing as e:
+      root = data_dir or os.environ.get('TFDS_DATA_DIR', '')
+      if name != 'auto' or '://' not in root:
+        raise
+      reason = str(e).split(';')[0]
+  _log(f'ImageNet not found ({reason}); running the embedded default: '
+       f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
+  return _digits(config)
 
 
 #: The data sets of the ViT task (``data.name``).
 VIT_DATA = ('auto', 'imagenet2012', 'digits', 'synthetic')
 
 
-def check_vit_data_name(config) -> None:
-  """``data.name`` is one of :data:`VIT_DATA`, else a :class:`ConfigError`."""
-  if config.data.name not in VIT_DATA:
-    raise ConfigError(f"data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic', "
-                      f"got {config.data.name!r}")
+def check_settings_without_data(config, task: str) -> None:
+  """Refuses the settings that need no data set to refuse (a
+  :class:`ConfigError`): ``model.kind``, a BERT tokenizer that does not fit
+  the model, and a ViT ``data.name`` other than :data:`VIT_DATA`."""
+  check_kind(config, task)
+  if task in ('bert_glue', 'bert_squad'):
+    check_tokenizer_fits(config)  # before any text is tokenized
+  if task == 'vit' and config.data.name not in VIT_DATA:
+    names = ', '.join(map(repr, VIT_DATA[:-1]))
+    raise ConfigError(f'data.name must be {names} or {VIT_DATA[-1]!r}, got '
+                      f'{config.data.name!r}')
 
 
 def _digits(config) -> datasets.Dataset:
@@ -853,9 +855,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     # which can take minutes; the settings refused without them come first.
     # One process claims it below: a data set or model that fails to load
     # then leaves no new folder behind.
-    check_kind(config, task)
-    if task == 'vit':  # the only task of several processes (above)
-      check_vit_data_name(config)
+    check_settings_without_data(config, task)
     _claim_workdir(workdir, config.checkpoint.enabled, held)
   data = resolve_data(config, task)
   # 'auto' looks on each host's own disk: every process must have found the same.
