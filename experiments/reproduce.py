@@ -277,15 +277,15 @@ def _figure(workdir: str, name: str, draw) -> None:
 CHANCE = 'synthetic data: random labels, accuracy stays at chance'
 
 
-def _chance(result: dict) -> str | None:
-  """:data:`CHANCE` where ``result`` (a run) trained on synthetic data."""
-  return CHANCE if result['summary'].get('data') == 'synthetic' else None
+def _synthetic(result: dict) -> bool:
+  """Whether ``result`` (a run) trained on synthetic data (see :data:`CHANCE`)."""
+  return result['summary'].get('data') == 'synthetic'
 
 
 def _say_chance(payload: dict, result: dict) -> None:
   """A part whose accuracies are at chance says so beside them, printed and in
   its JSON (``accuracy_not_measured``)."""
-  if _chance(result):
+  if _synthetic(result):
     payload['accuracy_not_measured'] = CHANCE
     print(f'  accuracy: not measured ({CHANCE})')
 
@@ -299,7 +299,7 @@ def breakdown(runner: Runner, workdir: str) -> dict:
   if 'full' in by:
     full = by['full']
     targets['full_vs_baseline'] = full['speedup']
-    if _chance(base):
+    if _synthetic(base):
       skipped['accuracy_points'] = CHANCE
     else:
       # Rounded as bench_elastic does: 1.0000000000000009 points is 1 point.
