@@ -518,7 +518,9 @@ def _load(path: str) -> dict[str, Any]:
   if not isinstance(data, dict):
     raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
   for key, value in data.items():  # a record per configuration digest, and descriptions
-    if key != ABOUT and not re.fullmatch(r'[0-9a-f]{16}', key) and not isinstance(value, dict):
+    if key != ABOUT and not re.fullmatch(r'[0-9a-f]{16}', key):
+      # Whatever it holds: another program's JSON object of objects (a
+      # tsconfig.json) is not ours to rewrite either.
       raise NotAProfile(f'{path} is not a micro-batch profile (its key {key[:40]!r} is no '
                         f'configuration digest and holds {type(value).__name__}); it is left '
                         f'as it is')
