@@ -29,11 +29,13 @@ unless ``--config``/overrides say otherwise, passed to every run; an override
 of what a part varies, ``freeze.alpha`` with ``alpha`` or ``seed`` with
 ``table1``, is refused; a ``--config`` file's own seed, or an α that is
 another point of ``alpha``, is never run twice: ``table1`` takes the next
-seeds, the file's run serves its α's point and ``alpha`` runs 1/3 itself) and
+seeds, the file's run serves its α's point and ``alpha`` runs 1/3 itself; an
+α that is no point is one more row of ``alpha``) and
 checkpoints off (``plain_dp`` writes none). Runs that parts share (e.g. the
 seed-0 ``full`` run) run once. ``--compile-cache warm`` (default) gives the
-runs a persistent compilation cache, program store and M-profile in DIR, filled by one
-unreported run of each configuration first (a user's second run);
+runs a persistent compilation cache, program store, initialisation cache and
+M-profile in DIR, filled by one unreported run of each configuration first (a
+user's second run);
 ``shared`` the same caches without the unreported runs (cheaper; a run may
 find programs an earlier one compiled); ``cold`` gives every run empty ones (a
 first run: compiling and profiling are paid in full).
@@ -95,13 +97,17 @@ class Runner:
   def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float, dict]:
     workdir = os.path.join(self.workdir, 'runs', name)
     env = dict(os.environ)
+    # Every cache a run reads is DIR's (or the run's own, cold), never the
+    # user's ~/.cache/pipejax: what a run pays must not depend on their history.
     if self.compile_cache in ('warm', 'shared'):
       env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(self.workdir, 'jax-cache')
       env['PIPEJAX_PROGRAM_STORE'] = os.path.join(self.workdir, 'programs')
+      env['PIPEJAX_INIT_CACHE'] = os.path.join(self.workdir, 'init')
       profile = os.path.join(self.workdir, 'micro_batches.json')
     else:
-      env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(workdir + '.jax-cache')
-      env['PIPEJAX_PROGRAM_STORE'] = os.path.join(workdir + '.programs')
+      env['PIPEJAX_COMPILATION_CACHE'] = workdir + '.jax-cache'
+      env['PIPEJAX_PROGRAM_STORE'] = workdir + '.programs'
+      env['PIPEJAX_INIT_CACHE'] = workdir + '.init'
       profile = workdir + '.micro_batches.json'
     cmd = [sys.executable, '-m', module, f'--workdir={workdir}', *self.passthrough, *args,
            '--config.checkpoint.enabled=False', f'--config.pipeline.profile_path={profile}']
@@ -350,10 +356,11 @@ def alpha(runner: Runner, workdir: str) -> dict:
   base = runner.variant('baseline')
   shared = runner.variant('full')  # α = 1/3 unless a --config file sets another
   taken = shared['summary']['config']['freeze']['alpha']
-  # The shared run serves the point of its own α, else 1/3's (the rows say which ran).
-  serves = next((a for a in ALPHAS if math.isclose(a, taken)), 1 / 3)
+  # The shared run serves the point of its own α; an α that is no point is
+  # one more row, and every point still runs (1/3, the issue's, above all).
+  serves = next((a for a in ALPHAS if math.isclose(a, taken)), taken)
   rows = []
-  for a in ALPHAS:
+  for a in sorted(set(ALPHAS) | {serves}):
     r = shared if a == serves else runner.run(
         f'full-alpha{a:g}', MAIN, BREAKDOWN['full'][1] + [f'--config.freeze.alpha={a}'])
     # The α the run had (a --config file may set another than the label).

@@ -3,6 +3,7 @@ tables on synthetic runs, and a real (tiny) invocation end to end."""
 import json
 import os
 import sys
+import subprocess
 import textwrap
 import types
 
@@ -287,7 +288,11 @@ def test_rows_carry_the_alpha_and_seeds_their_runs_had(tmp_path):
   labels of the parts."""
   runner = _FakeRunner(alpha=0.25, seed=5)
   alpha = reproduce.alpha(runner, str(tmp_path))
-  assert [r['alpha'] for r in alpha['rows']] == [0.1, 0.2, 0.25, 0.5]
+  # α = 0.25 is no point of the part: one more row, and 1/3 still runs.
+  assert [r['alpha'] for r in alpha['rows']] == pytest.approx([0.1, 0.2, 0.25, 1 / 3, 0.5])
+  assert [name for name, *_ in runner.calls] == [
+      'baseline', 'full', 'full-alpha0.1', 'full-alpha0.2', 'full-alpha0.333333',
+      'full-alpha0.5']
   table = reproduce.table1(runner, str(tmp_path))
   assert [r['seeds'] for r in table['rows']] == [[5, 1, 2]] * 2
   # An α or seed that another point of the part would repeat: never twice.
@@ -517,3 +522,31 @@ def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_p
     assert out.returncode == 2, (module, out.stderr[-2000:])
     assert out.stderr.count('\n') == 1 and message in out.stderr, (module, out.stderr)
     assert not os.path.exists(tmp_path / workdir / 'metrics.jsonl')
+
+
+@pytest.mark.parametrize('mode', ['warm', 'shared', 'cold'])
+def test_every_cache_a_run_reads_is_the_workdir_s_never_the_user_s(tmp_path, monkeypatch, mode):
+  """A run's compilation cache, program store, initialisation cache and
+  M-profile lie in DIR (``cold``: beside the run's own workdir), so what a
+  run pays does not depend on what the user's ``~/.cache/pipejax`` holds."""
+  home = str(tmp_path / 'home')
+  monkeypatch.setenv('HOME', home)
+  for name in ('PIPEJAX_COMPILATION_CACHE', 'PIPEJAX_PROGRAM_STORE', 'PIPEJAX_INIT_CACHE'):
+    monkeypatch.setenv(name, os.path.join(home, name))  # what a user may have set
+  seen = []
+
+  def child(cmd, env):
+    seen.append((cmd, env))
+    return subprocess.CompletedProcess(cmd, 0, '', ''), {}
+
+  monkeypatch.setattr(reproduce, 'run_measured', child)
+  runner = reproduce.Runner(str(tmp_path / 'dir'), [], mode)
+  runner._process('full', reproduce.MAIN, [])
+  (cmd, env), = seen
+  own = [env['PIPEJAX_COMPILATION_CACHE'], env['PIPEJAX_PROGRAM_STORE'],
+         env['PIPEJAX_INIT_CACHE'],
+         next(a.split('=', 1)[1] for a in cmd if a.startswith('--config.pipeline.profile_path='))]
+  assert len(set(own)) == 4
+  for path in own:
+    assert path.startswith(str(tmp_path / 'dir') + os.sep), (mode, path)
+    assert (os.path.join('runs', 'full.') in path) == (mode == 'cold'), (mode, path)
