@@ -726,15 +726,19 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
     rows = reporting.read_rows(workdir)
     aside = checkpoints.set_aside(workdir)
     finished = os.path.exists(os.path.join(workdir, 'summary.json'))
-    if rows and (aside or finished):
-      # A finished run's results, or those of a run whose checkpoints could not
-      # be read: never dropped without --config.resume=False. (Rows without
-      # either are a crash's before its first checkpoint was complete: the
-      # same command redoes them.)
+    # Rows of a run without checkpoints (checkpoint.enabled=False, plain_dp;
+    # rows written before pipejax said so have no 'checkpointed').
+    unsaved = any(r.get('checkpointed') is False for r in rows)
+    if rows and (aside or finished or unsaved):
+      # A finished run's results, those of a run whose checkpoints could not
+      # be read, or of one that wrote none: never dropped without
+      # --config.resume=False. (Rows without any of these are a crash's before
+      # its first checkpoint was complete: the same command redoes them.)
       raise checkpoints.CheckpointError(
           f'{workdir} holds {len(rows)} metrics rows of an earlier run but no readable '
           f'checkpoint (' + (f'set aside as unreadable: {", ".join(aside)}' if aside else
-                             'that run finished without checkpoints')
+                             'that run finished without checkpoints' if finished else
+                             'that run wrote none: checkpoint.enabled=False')
           + '); use another --workdir, or --config.resume=False to start over')
     dropped = reporting.keep_rows(workdir, 0)
     if dropped:
@@ -775,11 +779,13 @@ def run(config, workdir: str | None, task: str,
   With ``config.resume`` (the default) a workdir holding checkpoints of a
   run continues from the newest readable one (plan recomputed if the device
   count changed); ``config.resume=False`` starts over, moving the old
-  outputs aside until the new run's first checkpoint (:func:`_start_over`). ``stop_requested`` is polled after every step (see
+  outputs aside until the new run's first checkpoint (:func:`_start_over`).
+  ``stop_requested`` is polled after every step (see
   :class:`pipejax.resume.StopOnSignal`): when True the run saves and raises
-  :class:`pipejax.trainer.TrainingInterrupted`. The workdir is claimed for
-  the run (:func:`lock_workdir`): a second run started on it meanwhile is
-  refused.
+  :class:`pipejax.trainer.TrainingInterrupted` (a start over stopped before
+  its first checkpoint saves nothing and puts the replaced run back). The
+  workdir is claimed for the run (:func:`lock_workdir`): a second run
+  started on it meanwhile is refused.
   """
   with contextlib.ExitStack() as held:
     try:
@@ -902,12 +908,17 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   ckpt = open_checkpoints() if config.resume else None
   replacing = [False]  # outputs of a replaced run wait in workdir/replaced
 
-  def save(portable, meta, wait):
+  def save(portable, meta, stopping):
     if ckpt is None:
+      return None
+    if stopping and replacing[0]:
+      # A stop (Ctrl-C, a preemption) before the start over's first regular
+      # checkpoint cancels the start over: nothing of it is saved, and the
+      # run it replaced comes back (below), instead of going for a step or two.
       return None
     # The trainer saves only a state whose loss and norms are finite. Its
     # first checkpoint on disk (written at once), the replaced run can go.
-    ckpt.save(meta['step'], portable, {**meta_base, **meta}, wait=wait or replacing[0])
+    ckpt.save(meta['step'], portable, {**meta_base, **meta}, wait=stopping or replacing[0])
     if replacing[0]:
       replacing[0] = False
       _drop_replaced(workdir)
@@ -1106,6 +1117,9 @@ _OUT_OF_MEMORY_ADVICE = (
 def _how_to_resume(config, stop: TrainingInterrupted) -> str:
   """What continues an interrupted run: the same command, unless it would
   start over (``--config.resume=False``) or nothing was saved."""
+  if stop.checkpoint is None and config.checkpoint.enabled and not config.resume:  # _run's save
+    return ('it was a start over (--config.resume=False) stopped before its first checkpoint: '
+            'nothing of it was saved, and the outputs of the run it replaced are back')
   if stop.checkpoint is None:
     return 'nothing was saved (checkpoint.enabled=False): the run cannot be resumed'
   if not config.resume:

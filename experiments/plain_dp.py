@@ -10,11 +10,14 @@ freezing. Evaluates after every epoch like the main job; writes
 apply) into ``--workdir``.
 
 Every step takes ``train.batch_size`` samples in the order of the main job's
-plain loader (one process). Two settings of the main job have no meaning
-here and are not followed: ``train.batch_mode=per_pipeline`` (the main job's
+plain loader (one process). Settings of the main job that have no meaning
+here are not followed: ``train.batch_mode=per_pipeline`` (the main job's
 batch grows with its replicas; this one's stays ``train.batch_size``, with as
-many steps as its samples need) and ``distributed.data_shards`` (the main
-job then draws its order per shard).
+many steps as its samples need), ``distributed.data_shards`` (the main job
+then draws its order per shard), and ``checkpoint.*`` and ``resume``: it
+writes no checkpoints, so a stopped run cannot be resumed, and a workdir that
+already holds a run (``metrics.jsonl``) is refused. It runs in one process:
+``distributed.coordinator`` is refused.
 """
 from __future__ import annotations
 
@@ -49,6 +52,9 @@ def run(config, workdir: str) -> dict:
 
 def _run(config, workdir: str, held: contextlib.ExitStack) -> dict:
   start = time.perf_counter()
+  if config.distributed.coordinator:
+    raise elastic.ConfigError(f'plain_dp runs in one process; drop --config.distributed.'
+                              f'coordinator={config.distributed.coordinator!r}')
   elastic.check_config(config, len(jax.devices()))
   devices = jax.devices()[:config.pipeline.devices]
   data = elastic.resolve_data(config, 'vit')
@@ -124,7 +130,8 @@ def _run(config, workdir: str, held: contextlib.ExitStack) -> dict:
            'eval_accuracy': hits / max(count, 1.0), 'epoch_seconds': seconds,
            'samples_per_second': steps * train.batch_size / seconds,
            'transition_seconds': 0.0, 'eval_seconds': time.perf_counter() - t0,
-           'step': (epoch + 1) * steps, 'wall_seconds': time.perf_counter() - run_start}
+           'step': (epoch + 1) * steps, 'checkpointed': False,
+           'wall_seconds': time.perf_counter() - run_start}
     metrics_log.append(row)
     print(f'epoch {epoch}: loss {row["train_loss"]:.4f} eval acc {row["eval_accuracy"]:.4f} '
           f'{seconds:.1f}s ({row["samples_per_second"]:.0f} samples/s)', flush=True)

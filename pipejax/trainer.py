@@ -1173,10 +1173,11 @@ class Trainer:
     Args:
       epochs: the epoch count of the whole run.
       progress_factory: ``(epoch, steps) -> context manager`` giving a tqdm-like bar.
-      save: ``(portable_state, meta, wait) -> checkpoint path`` (see
-        :meth:`checkpoint_meta`; ``meta['row']`` is the epoch's row at an epoch
-        end); called at each epoch end, every ``save_every_steps`` batches
-        and when a stop is requested.
+      save: ``(portable_state, meta, stopping) -> checkpoint path or None``
+        (see :meth:`checkpoint_meta`; ``meta['row']`` is the epoch's row at an
+        epoch end); called at each epoch end, every ``save_every_steps``
+        batches and, with ``stopping`` True (a save to wait for), when a stop
+        is requested.
       stop_requested: polled after every step and epoch but the last: True
         saves (waiting for the write) and raises :class:`TrainingInterrupted`.
     """
@@ -1258,10 +1259,13 @@ class Trainer:
       if save is not None:
         # The checkpoint's copy of the row (it replaces a row lost in a crash):
         # complete but for the save's own seconds.
-        saved_row = dict(row, checkpoint_seconds=0.0, wall_seconds=self._wall_offset + t0 -
-                         self._run_start)
+        saved_row = dict(row, checkpointed=True, checkpoint_seconds=0.0,
+                         wall_seconds=self._wall_offset + t0 - self._run_start)
         path = save(portable, {**self.checkpoint_meta(epoch, stats['steps'] + (
             start_step if epoch == start_epoch else 0), True), 'row': saved_row}, False)
+      # False: no checkpoint will ever hold this epoch (checkpoints off), so a
+      # later run cannot take these rows for a crash's before its first one.
+      row['checkpointed'] = path is not None
       row['checkpoint_seconds'] = time.perf_counter() - t0
       row['wall_seconds'] = self._wall_offset + time.perf_counter() - self._run_start
       metrics_log.append(row)

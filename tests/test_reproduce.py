@@ -495,11 +495,15 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
                                                        abs=1.01 / 359)
   assert plain['eval_batch_size'] == 4 * config.train.batch_size  # the main job's default
   assert rows[0][0]['train_loss'] != rows[0][-1]['train_loss']  # it trained
+  # Never checkpointed in plain_dp (a later run on its workdir keeps its rows),
+  # nor here in the pipeline, which ran with checkpoint.enabled=False.
+  assert [r['checkpointed'] for r in rows[0] + rows[1]] == [False] * len(rows[0] + rows[1])
 
 
 def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_path):
-  """A workdir that is a file, or where an output's path is a folder: one line,
-  exit 2, before the data and model load (not a traceback after training)."""
+  """A workdir that is a file, or where an output's path is a folder, or a
+  setting the command cannot follow: one line, exit 2, before the data and
+  model load (not a traceback after training)."""
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
   (tmp_path / 'afile').write_text('x')
@@ -511,11 +515,15 @@ def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_p
            # bench_plans writes no summary.json: only its own file is checked.
            ('bench_plans', 'busy', 'bench_plans.json is a directory, where the run writes its'),
            ('bench_plans', 'fresh',
-            "data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic'")]
+            "data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic'"),
+           ('plain_dp', 'fresh', "plain_dp runs in one process; drop "
+                                 "--config.distributed.coordinator='localhost:1'")]
   for module, workdir, message in cases:
     args = ['--config.train.epochs=1', '--config.train.max_steps_per_epoch=1']
     if 'data.name' in message:  # a config error: one line too
       args.append('--config.data.name=bogus')
+    if 'coordinator' in message:
+      args.append('--config.distributed.coordinator=localhost:1')
     out = subprocess.run([sys.executable, '-m', f'experiments.{module}',
                           f'--workdir={tmp_path / workdir}', *args],
                          capture_output=True, text=True, timeout=300)

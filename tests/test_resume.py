@@ -457,6 +457,37 @@ def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tm
   assert len(_rows(workdir)) == 1
 
 
+
+def test_rows_of_a_stopped_run_without_checkpoints_are_not_dropped(tmp_path):
+  """A run with checkpoints off, stopped before its end (no summary), run again
+  with them on: its rows are no crash's before a first checkpoint (those the
+  same command redoes), so they are refused in one line, never dropped. Rows
+  that pipejax wrote before saying whether they were checkpointed still are."""
+  workdir = str(tmp_path / 'run')
+  off = _config(str(tmp_path / 'p.json'), **{'checkpoint.enabled': False, 'train.epochs': 2})
+  with pytest.raises(TrainingInterrupted):
+    elastic.run(off, workdir, task='vit', stop_requested=_stop_at(4))  # in the second epoch
+  rows = open(os.path.join(workdir, 'metrics.jsonl')).read()
+  assert [r['checkpointed'] for r in _rows(workdir)] == [False]
+  on = _config(str(tmp_path / 'p.json'), **{'train.epochs': 2})
+  with pytest.raises(checkpoints.CheckpointError,
+                     match='holds 1 metrics rows of an earlier run but no readable checkpoint '
+                           r'\(that run wrote none: checkpoint.enabled=False\)'):
+    elastic.run(on, workdir, task='vit')
+  assert open(os.path.join(workdir, 'metrics.jsonl')).read() == rows
+  # The same rows without the key (an older pipejax's): a crash's, redone.
+  with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
+    for row in _rows_of(rows):
+      row.pop('checkpointed')
+      f.write(json.dumps(row) + '\n')
+  summary = elastic.run(on, workdir, task='vit')
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+  assert all(r['checkpointed'] for r in _rows(workdir)) and summary['final_eval_accuracy'] > 0
+
+
+def _rows_of(text: str) -> list[dict]:
+  return [json.loads(line) for line in text.splitlines() if line.strip()]
+
 def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tmp_path):
   """A 1-epoch run extended to 2 that stopped after its second epoch's
   checkpoint, before writing its summary: the old summary is not the end of
@@ -613,7 +644,7 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
                                                                           monkeypatch):
   """A finished run, started over with a setting that no check refuses
   (its first loss NaN), or whose first checkpoint cannot be written, or that
-  is killed before it: the finished run's outputs come back, and the same
+  is killed or stopped before it: the finished run's outputs come back, and the same
   command without --config.resume=False finds it finished. A start over that
   trains removes them once its first checkpoint is on disk, not before; a
   first checkpoint on disk whose save then raised keeps the new run."""
@@ -648,6 +679,15 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
   finished = elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
   assert finished['final_eval_accuracy'] == json.loads(original['summary.json'])[
       'final_eval_accuracy'] and _files(workdir) == original
+  # Stopped (Ctrl-C, a preemption) before its first checkpoint: the start over
+  # is cancelled, saving nothing; the replaced run is back, and the line says so.
+  config = _config(profile, **{'train.epochs': 1, 'resume': False})
+  with pytest.raises(TrainingInterrupted) as stopped:
+    elastic.run(config, workdir, task='vit', stop_requested=_stop_at(1))
+  assert stopped.value.checkpoint is None and _files(workdir) == original
+  assert elastic._how_to_resume(config, stopped.value) == (
+      'it was a start over (--config.resume=False) stopped before its first checkpoint: '
+      'nothing of it was saved, and the outputs of the run it replaced are back')
   # A first checkpoint on disk whose save raised after: the new run's, kept.
   real_save = checkpoints.Checkpoints.save
 
@@ -703,7 +743,8 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
 
 def test_the_interrupted_line_says_what_resumes_the_run():
   """The same command resumes, unless it starts over (--config.resume=False,
-  which would remove the checkpoint just saved) or nothing was saved."""
+  which would remove the checkpoint just saved) or nothing was saved (a start
+  over stopped before its first checkpoint, or checkpoints off)."""
   config = vit_imagenet.get_config()
   saved = TrainingInterrupted(1, 10, '/w/checkpoints/10')
   assert elastic._how_to_resume(config, saved) == 'run the same command to resume'
@@ -711,6 +752,10 @@ def test_the_interrupted_line_says_what_resumes_the_run():
     config.resume = False
   assert elastic._how_to_resume(config, saved).startswith(
       'run the command again without --config.resume=False to resume')
+  assert elastic._how_to_resume(config, TrainingInterrupted(1, 10, None)).startswith(
+      'it was a start over (--config.resume=False) stopped before its first checkpoint')
+  with config.unlocked():
+    config.checkpoint.enabled = False
   assert elastic._how_to_resume(config, TrainingInterrupted(1, 10, None)) == (
       'nothing was saved (checkpoint.enabled=False): the run cannot be resumed')
 
