@@ -676,8 +676,11 @@ def _recover(workdir: str, resume_: bool = True) -> None:
     _move(_outputs(replaced), replaced, workdir)
     _remove_folder(workdir, replaced)  # the mark, and a killed write's temporary file
   except (OSError, checkpoints.CheckpointError) as e:
-    raise ConfigError(f'cannot put the outputs in {replaced} back into {workdir} ({e}); '
-                      f'move them back by hand') from e
+    # Journaled: the next run goes on from where this stopped.
+    raise ConfigError(f'cannot put the outputs in {replaced} back into {workdir} yet ({e}); '
+                      f'they are safe there, and the next run on {workdir} puts them back '
+                      f'first (fix the cause, e.g. free disk space, then run the same command '
+                      f'without --config.resume=False)') from e
   _log(f'the outputs of the run that --config.resume=False replaced are back in {workdir}: ' + (
       'that start over was stopped while it moved them' if phase == 'moving' else
       'the run that replaced them ended before its first checkpoint'))
@@ -925,6 +928,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     return ckpt.path(meta['step'])
 
   trained = False
+  failure: list[BaseException] = []  # what ended the run, said first if putting back fails
   try:
     latest = ckpt.latest_meta() if ckpt is not None and config.resume else None
     if latest is not None:  # refuse before building anything
@@ -982,14 +986,24 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     except BaseException:
       trainer.close()
       raise
-    result = trainer.run(config.train.epochs, _progress, save=save,
-                         stop_requested=distributed.agreed_stop(stop_requested),
+    agreed = distributed.agreed_stop(stop_requested)
+
+    def poll() -> bool:
+      if ckpt is not None:
+        ckpt.check()  # a save that failed (a full disk) stops the run now
+      return bool(agreed and agreed())
+
+    result = trainer.run(config.train.epochs, _progress, save=save, stop_requested=poll,
                          save_every_steps=config.checkpoint.every_steps)
     trained = True
   except LossNotFinite as e:
     last = ckpt.latest() if ckpt is not None else None
-    raise TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
-                           f'{last or "none (checkpoints disabled or none saved yet)"}') from e
+    failure.append(TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
+                                    f'{last or "none (checkpoints disabled or none saved yet)"}'))
+    raise failure[0] from e
+  except BaseException as e:
+    failure.append(e)
+    raise
   finally:
     try:
       if ckpt is not None:
@@ -998,7 +1012,13 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
       if replacing[0] and not trained:
         # Failed or stopped: before its first checkpoint, the replaced run comes
         # back; after it (a save on disk that raised later), it goes.
-        _recover(workdir)
+        try:
+          _recover(workdir)
+        except ConfigError as e:
+          if not failure or not isinstance(failure[0], Exception):
+            raise
+          # The cause first (a full disk stops both the save and the move back).
+          raise ConfigError(f'{failure[0]}; then {e}') from failure[0]
       elif replacing[0]:  # trained to the end without checkpoints
         _drop_replaced(workdir)
   if isinstance(train_loader, ShardedLoader):

@@ -187,6 +187,7 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(self.directory, options=options)
     # Several processes each hold only their shards: orbax writes the tree.
     self.packed = jax.process_count() == 1
+    self._pending: int | None = None  # the step of an asynchronous save not yet settled
 
   def path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -197,11 +198,12 @@ class Checkpoints:
 
     Raises:
       CheckpointError: this save, or the previous asynchronous one, failed
-        (e.g. ``[Errno 28] No space left on device``); the newest finished
-        checkpoint is untouched and named in the message.
+        (e.g. ``[Errno 28] No space left on device``); the message names the
+        step that failed and the newest finished checkpoint, untouched.
     """
     if step in self.manager.all_steps():
       return  # already saved (an epoch end right after a step-count save)
+    self._settle()  # orbax waits for it too, and would blame its error on this step
     if self.packed:
       state, layout = pack(state)
       meta = {**meta, PACKED: layout, CHECKSUMS: checksums(state)}
@@ -210,6 +212,28 @@ class Checkpoints:
                                                       meta=ocp.args.JsonSave(meta)))
       if wait:
         self.manager.wait_until_finished()
+    except (OSError, ValueError, RuntimeError) as e:
+      raise self._write_error(step, e) from e
+    if not wait:
+      self._pending = step
+
+  def check(self) -> None:
+    """Raises :class:`CheckpointError` if the pending asynchronous save has
+    failed (a full disk), as soon as it has ended rather than at the next
+    save, which can be an epoch of training later. Cheap: call it after
+    every step. One process only (several would each wait in orbax's
+    barriers at a different step): elsewhere it does nothing."""
+    if (self._pending is not None and jax.process_count() == 1
+        and not self.manager.is_saving_in_progress()):
+      self._settle()
+
+  def _settle(self) -> None:
+    """Waits for the pending asynchronous save; its error names its step."""
+    step, self._pending = self._pending, None
+    if step is None:
+      return
+    try:
+      self.manager.wait_until_finished()
     except (OSError, ValueError, RuntimeError) as e:
       raise self._write_error(step, e) from e
 
@@ -221,6 +245,7 @@ class Checkpoints:
 
   def latest(self) -> str | None:
     """The directory of the newest finished checkpoint, or None."""
+    self._pending = None  # settled here, its error (if any) of no interest
     try:
       self.manager.wait_until_finished()
     except (OSError, ValueError, RuntimeError):
@@ -394,11 +419,13 @@ class Checkpoints:
       CheckpointError: the last asynchronous save failed.
     """
     try:
-      self.manager.wait_until_finished()
-    except (OSError, ValueError, RuntimeError) as e:
-      step = self.manager.latest_step()
-      raise CheckpointError(f'writing a checkpoint failed ({e}); the newest intact one is '
-                            f'{self.path(step) if step is not None else "none"}') from e
+      self._settle()
+      try:
+        self.manager.wait_until_finished()
+      except (OSError, ValueError, RuntimeError) as e:
+        step = self.manager.latest_step()
+        raise CheckpointError(f'writing a checkpoint failed ({e}); the newest intact one is '
+                              f'{self.path(step) if step is not None else "none"}') from e
     finally:
       self.manager.close()
 

@@ -32,6 +32,7 @@ def setup(cpu_devices: int = 8) -> None:
   from absl import logging as absl_logging  # noqa: PLC0415
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
   absl_logging.get_absl_logger().addFilter(_quiet_orbax_tmp_metadata)
+  absl_logging.get_absl_logger().addFilter(_quiet_orbax_failed_save)
   if not getattr(sys.unraisablehook, 'pipejax', False):
     sys.unraisablehook = _quiet_closed_loop_hook(sys.unraisablehook)
   import jax  # noqa: PLC0415 - must follow the environment set-up above
@@ -112,6 +113,22 @@ def _backfill_access_times(directory: str) -> bool:
     except OSError:
       continue
   return True
+
+
+#: What orbax logs, with a traceback, from each thread of a background save
+#: that failed (a full disk: four records, about 300 lines).
+_ORBAX_FAILED_SAVE = ('_SignalingThread.run() raised an exception', 'in background save thread',
+                      'Save Finalize thread')
+
+
+def _quiet_orbax_failed_save(record) -> bool:
+  """Drops orbax's logs of a background save that failed: pipejax raises the
+  same error itself, in one line naming the step and the checkpoint that is
+  intact (:class:`pipejax.checkpoints.CheckpointError`)."""
+  if record.exc_info is None:
+    return True
+  message = record.getMessage()
+  return not any(part in message for part in _ORBAX_FAILED_SAVE)
 
 
 def _quiet_orbax_tmp_metadata(record) -> bool:

@@ -673,6 +673,26 @@ def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_p
     with pytest.raises(checkpoints.CheckpointError, match='No space left'):
       elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
   assert seen == [(True, True)] and _files(workdir) == original  # the first save waits
+  # The full disk stops the move back too: the cause comes first, and the next
+  # run (the disk freed) puts the outputs back.
+  real_phase = elastic._set_phase
+
+  def no_mark(replaced, phase):
+    if phase == 'clearing':  # the first mark of putting back
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    real_phase(replaced, phase)
+
+  with monkeypatch.context() as patched:
+    patched.setattr(checkpoints.Checkpoints, 'save', full_disk)
+    patched.setattr(elastic, '_set_phase', no_mark)
+    with pytest.raises(elastic.ConfigError) as failed:
+      elastic.run(_config(profile, **{'train.epochs': 1, 'resume': False}), workdir, task='vit')
+  assert str(failed.value).startswith('writing the checkpoint of step 3 failed ([Errno 28] No '
+                                      'space left on device); then cannot put the outputs in ')
+  assert 'they are safe there, and the next run on' in str(failed.value)
+  assert os.path.isdir(os.path.join(workdir, 'replaced'))
+  elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')  # nothing to train
+  assert _files(workdir) == original
   # Killed before its first checkpoint: the next run puts the replaced one back.
   assert elastic._start_over(workdir) is True
   _leftovers(workdir)
@@ -782,6 +802,44 @@ def _wait_until_quiet(directory: str, timeout: float = 30.0) -> None:
     last = now
     time.sleep(0.5)
 
+
+
+def test_a_failed_asynchronous_save_stops_the_run_at_once_naming_its_step(tmp_path, monkeypatch,
+                                                                          capsys, caplog):
+  """The first epoch's checkpoint fails in orbax's background threads (a full
+  disk): the run stops after the next step, not an epoch later at the next
+  save; its one line names the step that failed, and orbax's logs of the
+  failure (a traceback from each thread) are left out."""
+  config = _config(str(tmp_path / 'p.json'), **{
+      'train.epochs': 3, 'train.max_steps_per_epoch': 2, 'pipeline.micro_batches': 4})
+  real = checkpoints.Checkpoints.save
+  steps = []
+
+  async def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  def save(self, step, state, meta, wait=False):
+    steps.append(step)
+    if step == 2:  # the packed arrays' write, in a background thread
+      monkeypatch.setattr(ocp.type_handlers.NumpyHandler, '_open_and_write', full_disk)
+    return real(self, step, state, meta, wait)
+
+  monkeypatch.setattr(checkpoints.Checkpoints, 'save', save)
+  polled = []
+  check = checkpoints.Checkpoints.check
+  monkeypatch.setattr(checkpoints.Checkpoints, 'check',
+                      lambda self: polled.append(1) or check(self))
+  workdir = str(tmp_path / 'run')
+  assert elastic.main(config, workdir, task='vit') == 2
+  err = [line for line in capsys.readouterr().err.splitlines() if 'error' in line]
+  assert len(err) == 1 and err[0].startswith('error: writing the checkpoint of step 2 failed ('), err
+  assert 'No space left on device' in err[0] and err[0].endswith(
+      'the previous checkpoint is intact: none')
+  assert steps == [2]  # stopped before the next save
+  assert len(polled) <= 2 + 1 + 2  # the first epoch's steps and end, then the next two steps
+  assert [r['epoch'] for r in _rows(workdir)] == [0]
+  assert not [r for r in caplog.records if r.name == 'absl' and r.exc_info], [
+      r.getMessage()[:200] for r in caplog.records]
 
 def test_failed_checkpoint_stops_the_run_and_the_same_command_resumes(tmp_path, monkeypatch,
                                                                        capsys):
