@@ -42,7 +42,9 @@ import numpy as np
 from pipejax import diskcache
 
 FORMAT = 'pipejax-autocache-1'
-MANIFEST, ENTRIES, LOCK = 'autocache.json', 'entries.bin', '.lock'
+# A lock of its own name: a cache directory may be the run's workdir, whose
+# '.lock' the run itself holds (experiments.elastic.lock_workdir).
+MANIFEST, ENTRIES, LOCK = 'autocache.json', 'entries.bin', '.autocache.lock'
 MAGIC = b'PJAC'
 # The directories this process has claimed (DiskTier._claim): real path of
 # the lock file -> [its lock, the tiers holding it].

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pipejax import autocache_disk
+from pipejax import autocache_disk, diskcache
 from pipejax.autocache import ActivationCache, CacheMismatchError, storage_error_bound
 from pipejax.autocache_policy import (CachingDecision, caching_allowed, decide_caching,
                                       keep_caching)
@@ -488,6 +488,29 @@ def test_a_cache_directory_another_run_uses_is_refused_and_left_alone(tmp_path):
   two.close()
   assert claim not in autocache_disk._CLAIMS  # noqa: SLF001
 
+
+
+def test_a_cache_directory_that_is_the_run_s_own_workdir_is_not_taken_for_another_run(tmp_path):
+  """``cache.directory`` set to the run's workdir, whose lock the run holds
+  itself: the disk tier claims a lock of its own name, so it is neither
+  refused as in use (by its own process) nor rewrites the workdir's lock."""
+  from experiments import elastic  # noqa: PLC0415
+  workdir = tmp_path / 'cache'
+  workdir.mkdir()
+  held = diskcache.FolderLock(str(workdir / elastic.LOCK_FILE))
+  try:
+    before = (workdir / elastic.LOCK_FILE).read_bytes()
+    fake = FakePrefix(8)
+    ids = np.arange(8)
+    cache = make_cache(tmp_path, num_samples=8, memory_bytes=0, disk_bytes=1 << 20,
+                       prefetch_bytes=0)
+    cache.advance(2)
+    np.testing.assert_array_equal(cache.fetch(ids, fake.compute_fn(ids, 2)), fake.direct(ids, 2))
+    assert cache.stats()['disk_entries'] == 8
+    cache.close()
+    assert (workdir / elastic.LOCK_FILE).read_bytes() == before
+  finally:
+    held.release()
 
 def test_torn_write_never_reads_as_valid(tmp_path):
   """A crash mid-write leaves a record mixing the new and the old bytes (or
