@@ -2,7 +2,8 @@
 
     python -m experiments.bench_autocache --workdir DIR [--batch 64 --seq 65 --hidden 64]
 
-For each storage dtype and tier (memory only; disk only; disk with prefetch),
+For the storage dtypes float32 and bfloat16 (float16 stores as many bytes
+as bfloat16) and each tier (memory only; disk only; disk with prefetch),
 one epoch of ``--batches`` batches of ``[batch, seq, hidden]`` float32
 activations is written through :meth:`ActivationCache.fetch` (all misses), then
 read back twice (all hits); then each batch of the second read is copied

@@ -83,7 +83,9 @@ MEANINGS: dict[str, str] = {
     'pipeline.exchange': "how a tick's messages travel: 'ppermute', 'all_gather' ('auto': "
                          "all_gather on CPU devices, ppermute on accelerators)",
     'pipeline.micro_batches': 'M, the micro-batches of a step (0: profiled among K, ..., 6K once '
-                              'per K and remembered in pipeline.profile_path)',
+                              'per K and remembered in pipeline.profile_path); a fixed M that '
+                              'stops dividing a replica\'s batch when R grows is lowered to '
+                              'the largest divisor below it, in one line',
     'pipeline.profile_path': "where the profiled micro-batch counts are remembered ('': "
                              "nowhere)",
     'pipeline.devices': 'devices the run uses, the first this many (on a CPU: of the 8 fake '
@@ -123,7 +125,9 @@ MEANINGS: dict[str, str] = {
     'cache.on_mismatch': "a cache.directory written by another run: 'refuse' or 'clear' "
                          "(the workdir's own cache/ is cleared)",
     'cache.accept_reused_augmentation': 'cache a randomly augmented prefix input anyway (every '
-                                        'epoch then sees the first augmentation)',
+                                        'epoch then sees the first augmentation); only a data '
+                                        'source of your own can be one (randomly_augmented = '
+                                        'True): those pipejax ships do not augment',
 
     'distributed.coordinator': "'host:port' of process 0, 'auto' (JAX detects SLURM, Open MPI, "
                                "...), or '' (one process)",

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import difflib
 import json
 import math
 import os
@@ -77,6 +78,8 @@ def check_config(config, num_devices_available: int) -> None:
     ok = [k for k in range(1, n + 1) if n % k == 0]
     raise ConfigError(f'pipeline.initial_length={c.pipeline.initial_length} does not divide '
                       f'the {n} devices; use one of {ok}')
+  if 'image_size' in c.data and c.data.image_size < 1:  # the ViT entry points'
+    raise ConfigError(f'data.image_size must be >= 1, got {c.data.image_size}')
   if c.checkpoint.every_steps < 0:
     raise ConfigError(f'checkpoint.every_steps must be >= 0, got {c.checkpoint.every_steps}')
   if c.checkpoint.keep < 1:
@@ -209,7 +212,11 @@ def resolve_data(config, task: str = 'vit'):
     _log(f'data.name=synthetic: ImageNet-shaped random images of {config.data.image_size}x'
          f'{config.data.image_size} and random labels, for measuring speed (accuracy stays '
          f'at chance)')
-    return datasets.synthetic(config.data.image_size, seed=config.seed)
+    try:
+      return datasets.synthetic(config.data.image_size, seed=config.seed)
+    except MemoryError as e:  # its pool of images, made at once
+      raise ConfigError(f'data.image_size={config.data.image_size}: the synthetic images do not '
+                        f'fit in memory; use a smaller one') from e
   # 'auto' or 'imagenet2012' (data.name was checked first)
   data_dir = config.data.data_dir
   if (name == 'auto' and data_dir and '://' not in data_dir
@@ -1230,17 +1237,13 @@ def usage(config, config_file: str, require_workdir: bool = False,
 def _absent_keys(keys: list[str], argv: list[str], config_file: str) -> list[str]:
   """Those of ``keys`` (dotted) that the configuration does not have: the
   ``--config`` file's, else ``config_file``'s (empty when it cannot be read)."""
-  import importlib.util  # noqa: PLC0415
   for i, arg in enumerate(argv[1:], 1):
     if arg.startswith('--config='):
       config_file = arg.split('=', 1)[1]
     elif arg == '--config' and i + 1 < len(argv):
       config_file = argv[i + 1]
   try:
-    spec = importlib.util.spec_from_file_location('_pipejax_checked_config', config_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
+    config = _load_config_file(config_file)
   except Exception:  # noqa: BLE001 - then no key is named
     return []
   absent = []
@@ -1316,6 +1319,12 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   except Exception as e:  # noqa: BLE001 - the file: missing, a directory, unreadable
     print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
+  try:
+    _complete_config_file(flags.FLAGS.config,
+                          config_flags.get_config_filename(flags.FLAGS['config']), config_file)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return None
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
     raise SystemExit(0)
@@ -1333,6 +1342,51 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     return None
   config = flags.FLAGS.config
   return config, expand_user_paths(config, flags.FLAGS.workdir)
+
+
+def _load_config_file(path: str):
+  """``get_config()`` of the config file ``path``."""
+  import importlib.util  # noqa: PLC0415
+  spec = importlib.util.spec_from_file_location('_pipejax_default_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _complete_config_file(config, given: str, config_file: str) -> None:
+  """Holds a ``--config`` file's configuration ``config`` against the
+  command's own, ``config_file``'s: a key that the file sets and the
+  command does not know (a typo, which would otherwise be ignored) is
+  refused in one line; keys that the file lacks (written for an earlier
+  pipejax) get the command's defaults, said in one line."""
+  if not given or os.path.realpath(given) == os.path.realpath(config_file):
+    return
+  default = _load_config_file(config_file)
+  known = dict(config_keys.flat(default))
+  ours = dict(config_keys.flat(config))
+  unknown = [key for key in ours if key not in known]
+  if unknown:
+    near = difflib.get_close_matches(unknown[0], list(known), n=1)
+    hint = f'did you mean {near[0]!r}? ' if near else ''
+    raise ConfigError(f'the --config file {given} sets {", ".join(map(repr, unknown[:3]))}' + (
+        f' (and {len(unknown) - 3} more)' if len(unknown) > 3 else '')
+        + f', which this command does not have ({hint}--help lists the keys)')
+  missing = [key for key in known if key not in ours]
+  if not missing:
+    return
+  with config.unlocked():
+    for key in missing:
+      *groups, name = key.split('.')
+      node, source = config, default
+      for group in groups:
+        source = source[group]
+        if group not in node:
+          node[group] = type(source)()  # a group the file lacks entirely
+        node = node[group]
+      node[name] = copy.deepcopy(source[name])
+  _log(f'the --config file {given} lacks {len(missing)} keys (written for an earlier '
+       f'pipejax?): their defaults are used: ' + ', '.join(
+           f'{key}={config_keys.shown(known[key])}' for key in missing))
 
 
 def cli(config_file: str, task: str) -> int:

@@ -55,7 +55,12 @@ def main(argv=None) -> int:
   parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
-  sweep(*parsed)
+  try:
+    elastic.check_config(parsed[0], len(jax.devices()))
+    sweep(*parsed)
+  except (elastic.KNOWN_ERRORS + (OSError,)) as e:  # bad input, a missing data set: one line
+    print(f'error: {e}', file=sys.stderr)
+    return 2
   return 0
 
 

@@ -49,6 +49,9 @@ def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False
 def folder_problem(path: str) -> str | None:
   """Creates the folder ``path`` if needed; why a run cannot write into it
   (one phrase), else None."""
+  if os.path.lexists(path) and not os.path.isdir(path):
+    # makedirs would say only 'File exists'
+    return 'it is a file, not a folder' if os.path.isfile(path) else 'it is not a folder'
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:

@@ -500,7 +500,7 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
   assert [r['checkpointed'] for r in rows[0] + rows[1]] == [False] * len(rows[0] + rows[1])
 
 
-def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_path):
+def test_the_benchmarks_refuse_a_bad_workdir_or_setting_before_any_training(tmp_path):
   """A workdir that is a file, or where an output's path is a folder, or a
   setting the command cannot follow: one line, exit 2, before the data and
   model load (not a traceback after training)."""
@@ -517,13 +517,18 @@ def test_plain_dp_and_bench_plans_refuse_a_bad_workdir_before_any_training(tmp_p
            ('bench_plans', 'fresh',
             "data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic'"),
            ('plain_dp', 'fresh', "plain_dp runs in one process; drop "
-                                 "--config.distributed.coordinator='localhost:1'")]
+                                 "--config.distributed.coordinator='localhost:1'"),
+           ('reproduce_microbatches', 'fresh', 'train.epochs must be >= 1, got 0'),
+           ('reproduce_microbatches', 'fresh',
+            "data.name must be 'auto', 'imagenet2012', 'digits' or 'synthetic'")]
   for module, workdir, message in cases:
     args = ['--config.train.epochs=1', '--config.train.max_steps_per_epoch=1']
     if 'data.name' in message:  # a config error: one line too
       args.append('--config.data.name=bogus')
     if 'coordinator' in message:
       args.append('--config.distributed.coordinator=localhost:1')
+    if 'train.epochs' in message:
+      args.append('--config.train.epochs=0')
     out = subprocess.run([sys.executable, '-m', f'experiments.{module}',
                           f'--workdir={tmp_path / workdir}', *args],
                          capture_output=True, text=True, timeout=300)

@@ -1,6 +1,7 @@
 """The main job: default config smoke run, the ImageNet path on mocked TFDS
 data, and one-line errors for bad input."""
 import os
+import re
 import subprocess
 import sys
 
@@ -368,6 +369,10 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
      'train.batch_size=6 must be a multiple of pipeline.initial_length=4 with '
      'train.batch_mode=per_pipeline'),
     (['--config.checkpoint.keep=-1'], 'checkpoint.keep must be >= 1, got -1'),
+    (['--config.data.name=synthetic', '--config.data.image_size=0'],
+     'data.image_size must be >= 1, got 0'),
+    (['--config.data.name=synthetic', '--config.data.image_size=1000000'],
+     'data.image_size=1000000: the synthetic images do not fit in memory; use a smaller one'),
     (['--workdir='], '--workdir is empty (leave it out for a fresh folder under ./runs)'),
     (['--config.seed=-1'], 'seed must be in [0, 2**32), got -1'),
     (['--config.model.dropout=2'], 'model.dropout must be in [0, 1), got 2'),
@@ -380,6 +385,7 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     (['--config.train.epochs=1', '--config.train.warmup_epochs=2'],
      'train.warmup_epochs=2.0 must be >= 0 and below train.epochs=1'),
     (['--workdir={tmp}/afile/run'], 'cannot use --workdir={tmp}/afile/run: Not a directory'),
+    (['--workdir={tmp}/afile'], 'cannot use --workdir={tmp}/afile: it is a file, not a folder'),
     (['--workdir={tmp}/busy'], '{tmp}/busy/checkpoints is a file, where the run writes its '
                                'folder checkpoints'),
 ])
@@ -762,3 +768,38 @@ def test_check_config_refuses_a_batch_a_compressed_pipeline_cannot_split():
   with config.unlocked():
     config.train.batch_size, config.freeze.policy = 5, 'none'
   elastic.check_config(config, 10)  # nothing freezes: no frozen forward to split
+
+
+def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
+  """A ``--config`` file written for an earlier pipejax (a key and a whole
+  group missing) runs with the command's defaults for them, said in one line;
+  a key the command does not have (a typo, which would be ignored) is
+  refused in one line, naming the near key."""
+  source = open(vit_imagenet.__file__).read()
+  older = source.replace("  c.train.max_grad_norm = 0.0", "  pass  # c.train.max_grad_norm")
+  older = re.sub(r'\n  c\.distributed\b[^\n]*', '', older)
+  assert older.count('max_grad_norm') == 1 and 'c.distributed' not in older
+  (tmp_path / 'older.py').write_text(older)
+  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                        f'--config={tmp_path / "older.py"}', '--config.train.epochs=3', '--help'],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  note = [line for line in out.stdout.splitlines() if 'lacks' in line]
+  assert len(note) == 1 and note[0].startswith(
+      f'the --config file {tmp_path / "older.py"} lacks 7 keys (written for an earlier '
+      f'pipejax?): their defaults are used: ')
+  assert 'train.max_grad_norm=0.0' in note[0] and "distributed.coordinator=''" in note[0]
+  keys = out.stdout.split('config keys (--config.KEY=VALUE)')[1]
+  for line in ('--config.train.max_grad_norm=0.0', "--config.distributed.coordinator=''",
+               '--config.distributed.num_processes=1', '--config.train.epochs=3'):
+    assert f'\n  {line}\n' in keys, line
+  typo = source.replace("  c.train.max_grad_norm = 0.0", "  c.train.max_grad_norm = 0.0\n"
+                        "  c.train.learning_rte = 1e-3")
+  (tmp_path / 'typo.py').write_text(typo)
+  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                        f'--workdir={tmp_path / "w"}', f'--config={tmp_path / "typo.py"}'],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 2 and out.stderr == (
+      f"error: the --config file {tmp_path / 'typo.py'} sets 'train.learning_rte', which this "
+      f"command does not have (did you mean 'train.learning_rate'? --help lists the keys)\n")
+  assert not os.path.exists(tmp_path / 'w')
