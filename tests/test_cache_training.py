@@ -144,6 +144,34 @@ def test_cached_training_equals_uncached(uncached):
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 3)
 
 
+
+def test_freeze_events_inside_epochs_train_the_same_from_the_cache():
+  """``freeze.timestep_steps``: the frozen prefix deepens every two steps,
+  inside epochs, while the cache fills and advances. The losses equal the
+  uncached run's; every row fed is its sample's prefix output at the depth
+  the uncached run fed it; no sample goes through a frozen block twice."""
+  def run(cache):
+    config = _config(alpha=0.5, initial_length=4, micro_batches=4, epochs=3)
+    with config.unlocked():
+      config.freeze.timestep_steps = 2
+      config.cache.update(enabled=cache, policy='always')
+    trainer, data = _trainer(config)
+    fed = _record_feeds(trainer)
+    losses = [trainer.train_epoch(epoch, _Bar())['train_loss'] for epoch in range(3)]
+    return trainer, data, fed, np.array(losses)
+
+  plain, _, plain_fed, plain_losses = run(False)
+  cached, data, fed, losses = run(True)
+  depths = _check_fed_as_computed(cached, data, fed)
+  assert depths == _check_fed_as_computed(plain, data, plain_fed)
+  assert len(set(depths)) > 1 and depths == sorted(depths)  # it deepened inside the run
+  assert any(t.step % cached.train_loader.steps_per_epoch() for t in cached.transitions)
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+  stats = cached.prefix.cache.stats()
+  assert stats['repeated_layer_passes'] == 0 and stats['hits'] > 0
+  np.testing.assert_array_equal(cached.prefix.cache.layer_passes_per_sample(),
+                                cached.prefix.cache.depth)
+
 def test_a_padded_last_batch_trains_the_same_from_the_cache():
   """A train loader that pads its last batch (57 samples in batches of 16:
   the last holds 9, one micro-batch of a replica half padding): the cached
