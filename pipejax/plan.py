@@ -8,10 +8,12 @@ first, ``mlp.i.out`` at the start of the second: ``split_mlp`` lists the
 stages that end with one, ``--split-mlp-min-gain`` as in training) and
 parameter count; ``pipeline_length`` is after compression
 (Eq. 2) from ``--initial-pipeline-length`` (default: the device count);
-``micro_batches`` is the choice that a training run of the same model on as
-many devices (and ``--batch-size``, when given) profiled and remembered in
-the file ``--profile`` (its ``pipeline.profile_path``), else the smallest
-candidate (K); ``micro_batches_source`` says which. Memory is
+``micro_batches`` is the choice that a training run of the same model (the
+``--model`` preset: a run of a custom model, such as the embedded default's,
+is never read) on as many devices (and ``--batch-size``, when given)
+profiled and remembered in the file ``--profile`` (its
+``pipeline.profile_path``), else the smallest candidate (K);
+``micro_batches_source`` says which. Memory is
 estimated per device for float32 training with AdamW, per stage:
 ``stage_layout_bytes``, the trainable state a device holds (as many block
 slots as the widest stage, and the replicated embedding and head:
