@@ -518,12 +518,13 @@ def _load(path: str) -> dict[str, Any]:
   if not isinstance(data, dict):
     raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
   for key, value in data.items():  # a record per configuration digest, and descriptions
-    if key != ABOUT and not re.fullmatch(r'[0-9a-f]{16}', key):
-      # Whatever it holds: another program's JSON object of objects (a
-      # tsconfig.json) is not ours to rewrite either.
+    # A record maps pipeline lengths (digits) to choices; another program's
+    # object of objects (a tsconfig.json) is not ours to rewrite either.
+    record = isinstance(value, dict) and all(str(k).isdigit() for k in value)
+    if key != ABOUT and not re.fullmatch(r'[0-9a-f]{16}', key) and not record:
+      held = 'no micro-batch record' if isinstance(value, dict) else type(value).__name__
       raise NotAProfile(f'{path} is not a micro-batch profile (its key {key[:40]!r} is no '
-                        f'configuration digest and holds {type(value).__name__}); it is left '
-                        f'as it is')
+                        f'configuration digest and holds {held}); it is left as it is')
   return data  # a damaged record of a digest: re-measured (_choices)
 
 

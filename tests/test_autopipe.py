@@ -265,8 +265,8 @@ def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
   kept = autopipe.MicroBatchProfile(str(config), {'model': 'x'}, log=lines.append)
   assert kept.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)[0] == 8
   assert lines == [f"{config} is not a micro-batch profile (its key 'compilerOptions' is no "
-                   f"configuration digest and holds dict); it is left as it is; the "
-                   f"micro-batch counts are kept for this run only"]
+                   f"configuration digest and holds no micro-batch record); it is left as it "
+                   f"is; the micro-batch counts are kept for this run only"]
   assert config.read_bytes() == before
   # Nor is a file that does not start as a JSON object does: notes, a JSON
   # array, a binary file.
