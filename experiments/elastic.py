@@ -960,6 +960,9 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
         ckpt = open_checkpoints()
       else:
         _resume(workdir, trainer, ckpt, ident)
+        # Process 0 has dropped the rows after the checkpoint: the others read
+        # metrics.jsonl (trainer.run) only after that.
+        _all_processes_here()
         done = os.path.join(workdir, 'summary.json')
         past = trainer.epochs_done > config.train.epochs
         finished = _finished_summary(done, repair=not past) if (

@@ -166,6 +166,11 @@ def unpack(packed: dict[str, np.ndarray], layout: list, target: Any) -> Any:
   return treedef.unflatten(out)
 
 
+#: How long a step set aside may still be listed on another host of a job
+#: (a shared folder's listing lags) before the job is refused.
+LISTING_WAIT_SECONDS = 10.0
+
+
 class Checkpoints:
   """Saves the trainer state (asynchronously) with JSON metadata.
 
@@ -405,12 +410,22 @@ class Checkpoints:
     if jax.process_count() > 1:
       distributed.gather_exact([0.0])  # the others list the steps once it has moved
     self.manager.reload()
-    # A shared folder may list the moved step a while longer on another host,
-    # whose next save of that step would then be skipped there alone.
-    deadline = time.monotonic() + 10.0
+    # A shared folder may list the moved step a while longer on another host.
+    deadline = time.monotonic() + LISTING_WAIT_SECONDS
     while step in self.manager.all_steps() and time.monotonic() < deadline:
       time.sleep(0.2)
       self.manager.reload()
+    if jax.process_count() > 1:
+      # One that still lists it would skip, alone, every save up to that step
+      # (orbax saves no step at or below the newest it lists): the others would
+      # wait in the save's barrier for it, a hang or mismatched collectives.
+      late = distributed.processes_where(step in self.manager.all_steps())
+      if late:
+        raise distributed.DistributedError(
+            f'checkpoint {self.path(step)} was moved to {aside}, but '
+            f'{distributed.name_processes(late)} still list{"s" * (len(late) == 1)} it after '
+            f'{LISTING_WAIT_SECONDS:g} s: every process must see the same folder; relaunch the '
+            f'same command on every host once they do')
 
   def close(self) -> None:
     """Waits for pending saves.

@@ -36,6 +36,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -190,12 +191,20 @@ def check_same_config(config, workdir: str | None) -> None:
   Raises:
     DistributedError: the processes that differ from process 0.
   """
-  differ = _differing_processes(config, config_digest(config, workdir))
+  were = lambda differ: 'were' if len(differ) > 1 else 'was'  # noqa: E731
+  differ = _differing_processes(config, config_digest(config, None))
   if differ:
     raise DistributedError(
-        f'{name_processes(differ)} {"were" if len(differ) > 1 else "was"} started with another '
-        f'configuration or --workdir than process 0: start every process with the same '
-        f'command line (but distributed.process_id)')
+        f'{name_processes(differ)} {were(differ)} started with another configuration than '
+        f'process 0: start every process with the same command line (but '
+        f'distributed.process_id; a path key starting with ~ is each host\'s home)')
+  here = os.path.abspath(workdir) if workdir else ''
+  differ = _differing_processes(config, _digest(here))
+  if differ:
+    raise DistributedError(
+        f'{name_processes(differ)} {were(differ)} started with another --workdir than process '
+        f'0 (this process: {here or "none"}): give every process the same absolute path (a '
+        f'relative one is resolved in each process\'s own current directory)')
 
 
 def check_same_data(config, description: str) -> None:
@@ -431,11 +440,13 @@ def supervise(argv: Sequence[str], settings, checkpoint_dir: str | None) -> int:
 def _keep_crash_log(lines: list[bytes], checkpoint_dir: str | None,
                     process_id: int | None) -> str | None:
   """Writes the runtime's swallowed report to ``<workdir>/process_<id>.crash.log``
-  (``pid_<pid>`` without a known rank); returns its path, or None when there
-  is nothing to keep or no workdir."""
+  (``<host>_pid_<pid>`` without a known rank: containers on several hosts
+  often give their processes the same pid); returns its path, or None when
+  there is nothing to keep or no workdir."""
   if not lines or not checkpoint_dir:
     return None
-  name = f'process_{process_id}' if process_id is not None else f'pid_{os.getpid()}'
+  host = re.sub(r'[^A-Za-z0-9._-]', '_', socket.gethostname()) or 'host'
+  name = f'process_{process_id}' if process_id is not None else f'{host}_pid_{os.getpid()}'
   crash_log = os.path.join(os.path.dirname(checkpoint_dir), f'{name}.crash.log')
   os.makedirs(os.path.dirname(crash_log), exist_ok=True)
   with open(crash_log, 'wb') as f:

@@ -576,7 +576,9 @@ class Trainer:
           f'the checkpoint was saved in the middle of epoch {meta["epoch"]} with the samples '
           f'drawn over {saved_shards} data shard(s), this run draws them over '
           f'{self._data_shards()}: the rest of that epoch would repeat some samples and skip '
-          f'others; resume with --config.distributed.data_shards={saved_shards}')
+          f'others; resume with --config.distributed.data_shards={saved_shards} on a number '
+          f'of processes that divides {saved_shards} (one process always does: it reads '
+          f'every shard), or from a checkpoint of an epoch\'s end')
     c = self.config
     if not meta['epoch_done']:
       mid, here = (autodp.global_batch_size(c.train.batch_size, r, c.train.batch_mode)

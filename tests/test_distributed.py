@@ -4,6 +4,7 @@
 in one line."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -819,9 +820,22 @@ def test_processes_started_with_different_configs_are_refused_in_one_line(tmp_pa
   for p, (code, _, stderr) in enumerate(_finish(job, timeout=180)):
     assert code == 2, f'process {p}: {stderr[-3000:]}'
     assert stderr.strip().splitlines()[-1] == (
-        'error: process 1 was started with another configuration or --workdir than process 0: '
-        'start every process with the same command line (but distributed.process_id)')
+        'error: process 1 was started with another configuration than process 0: start every '
+        'process with the same command line (but distributed.process_id; a path key starting '
+        "with ~ is each host's home)")
   assert not os.path.exists(tmp_path / 'job' / 'metrics.jsonl')
+  # The same configuration in another folder (a relative --workdir started
+  # elsewhere): that is what the line says.
+  other_dir = tmp_path / 'elsewhere'
+  job = _launch(str(tmp_path / 'job'), SMALL, only={1: [f'--workdir={other_dir}']})
+  for p, (code, _, stderr) in enumerate(_finish(job, timeout=180)):
+    assert code == 2, f'process {p}: {stderr[-3000:]}'
+    here = tmp_path / ('job', 'elsewhere')[p]
+    assert stderr.strip().splitlines()[-1] == (
+        f'error: process 1 was started with another --workdir than process 0 (this process: '
+        f'{here}): give every process the same absolute path (a relative one is resolved in '
+        f"each process's own current directory)")
+  assert not os.path.exists(other_dir / 'metrics.jsonl')
   # The configuration but the process's own rank: the same digest.
   base = vit_imagenet.get_config()
   other = vit_imagenet.get_config()
@@ -925,7 +939,7 @@ config = vit_imagenet.get_config()
 config.distributed.update(coordinator=f'localhost:{port}', num_processes=2, process_id=index)
 distributed.initialize(config, lambda line: None)
 rows = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))  # a row per process
-if index == 1 and mode.endswith('unreadable here'):  # step 2's meta, or its state, fails
+if index == 1 and 'unreadable here' in mode:  # step 2's meta, or its state, fails
   read = checkpoints.Checkpoints._read  # the files, as orbax reads them
   item = 'meta' if mode.startswith('meta') else 'state'
   def failing(self, step, args):
@@ -936,6 +950,11 @@ if index == 1 and mode.endswith('unreadable here'):  # step 2's meta, or its sta
 ckpt = checkpoints.Checkpoints(workdir)
 if index == 1 and mode == 'listed late':  # its listing lacks the newest step
   ckpt.manager.all_steps = lambda: [1]
+if mode.endswith('listed after its move'):
+  checkpoints.LISTING_WAIT_SECONDS = 0.5
+  if index == 1:  # its listing lags the move
+    ckpt.manager.all_steps = lambda: [1, 2]
+    ckpt.manager.reload = lambda: None
 try:
   state, meta, path = ckpt.restore(
       lambda meta: {'w': jax.ShapeDtypeStruct((2, 3), np.float32, sharding=rows)},
@@ -950,7 +969,8 @@ ckpt.close()
 
 @JOBS
 @pytest.mark.parametrize('mode', ['readable', 'meta unreadable here', 'shard unreadable here',
-                                  'packed unreadable here', 'listed late'])
+                                  'packed unreadable here', 'listed late',
+                                  'meta unreadable here, listed after its move'])
 def test_processes_resume_from_one_checkpoint_that_all_of_them_read(tmp_path, mode):
   """Two real processes restore the checkpoints a job wrote (each its own
   shard). A step unreadable on one process only is left by both, set aside
@@ -958,7 +978,9 @@ def test_processes_resume_from_one_checkpoint_that_all_of_them_read(tmp_path, mo
   never go on from different weights, and no process waits in a collective
   that the other skipped (orbax's barrier after a read, which a failed read
   never reaches, or device_put's comparison of a packed checkpoint's values
-  across processes). Processes that list different steps are refused on both."""
+  across processes). Processes that list different steps are refused on both,
+  and so are they where one still lists the step set aside (it would skip,
+  alone, every later save up to that step)."""
   workdir = tmp_path / 'job'
   writer = checkpoints.Checkpoints(str(workdir))
   # As a job of several processes writes them; packed: a one-process run's,
@@ -992,6 +1014,12 @@ def test_processes_resume_from_one_checkpoint_that_all_of_them_read(tmp_path, mo
         ['said: ' + moved.format(f' on process 1 ({mode})'),
          f"restored: {folder / '1'} 1 [[[1.0, 1.0, 1.0]]]"]]
     assert sorted(os.listdir(folder)) == ['1', '2.corrupt']
+  elif mode.endswith('listed after its move'):
+    refused = (f"refused: checkpoint {folder / '2'} was moved to {folder / '2.corrupt'}, but "
+               f"process 1 still lists it after {{}} s: every process must see the same "
+               f"folder; relaunch the same command on every host once they do")
+    assert [lines[-1] for lines in said] == [refused.format(0.5)] * 2
+    assert sorted(os.listdir(folder)) == ['1', '2.corrupt']
   else:
     assert said == [[f'refused: the processes list different checkpoints in {folder} (process '
                      f'0: 2 (newest 2), process 1: 1 (newest 1)): every process must see the '
@@ -1020,3 +1048,18 @@ def test_sigterm_to_one_process_stops_the_whole_job_with_a_checkpoint(tmp_path):
   assert lines[0] == lines[1] and lines[0].startswith('interrupted: stopped on request after step')
   step = int(lines[0].split('after step ')[1].split()[0])
   assert os.path.isdir(os.path.join(directory, str(step)))
+
+
+def test_a_crash_log_without_a_rank_is_named_by_host_and_pid(tmp_path):
+  """Without a known rank (``distributed.coordinator=auto``) the report is
+  kept under the host's name and the pid: containers on several hosts often
+  share a pid, and the workdir is shared, so a pid alone would let one
+  host's report overwrite another's."""
+  checkpoints_dir = str(tmp_path / 'checkpoints')
+  ranked = distributed._keep_crash_log([b'one\n'], checkpoints_dir, 1)
+  unranked = distributed._keep_crash_log([b'two\n'], checkpoints_dir, None)
+  assert ranked == str(tmp_path / 'process_1.crash.log')
+  host = re.sub(r'[^A-Za-z0-9._-]', '_', socket.gethostname())
+  assert unranked == str(tmp_path / f'{host}_pid_{os.getpid()}.crash.log')
+  assert open(ranked).read() == 'one\n' and open(unranked).read() == 'two\n'
+  assert distributed._keep_crash_log([], checkpoints_dir, None) is None

@@ -488,6 +488,30 @@ def test_rows_of_a_stopped_run_without_checkpoints_are_not_dropped(tmp_path):
 def _rows_of(text: str) -> list[dict]:
   return [json.loads(line) for line in text.splitlines() if line.strip()]
 
+
+def test_a_mid_epoch_checkpoint_resumes_only_over_its_data_shards(tmp_path):
+  """Saved in the middle of an epoch with the samples drawn over 2 data
+  shards (one process reading both): resumed over 1, that epoch would repeat
+  and skip samples, so it is refused in one line saying what resumes it;
+  with the same shards it finishes."""
+  profile = str(tmp_path / 'p.json')
+  sharded = _config(profile, **{'train.epochs': 2, 'distributed.data_shards': 2})
+  workdir = str(tmp_path / 'run')
+  with pytest.raises(TrainingInterrupted) as stopped:
+    elastic.run(sharded, workdir, task='vit', stop_requested=_stop_at(2))
+  assert (stopped.value.epoch, stopped.value.step) == (0, 2)
+  with pytest.raises(resume.CheckpointMismatch) as refused:
+    elastic.run(_config(profile, **{'train.epochs': 2}), workdir, task='vit')
+  assert str(refused.value) == (
+      'the checkpoint was saved in the middle of epoch 0 with the samples drawn over 2 data '
+      'shard(s), this run draws them over 1: the rest of that epoch would repeat some samples '
+      'and skip others; resume with --config.distributed.data_shards=2 on a number of '
+      'processes that divides 2 (one process always does: it reads every shard), or from a '
+      "checkpoint of an epoch's end")
+  summary = elastic.run(_config(profile, **{'train.epochs': 2, 'distributed.data_shards': 2}),
+                        workdir, task='vit')
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1] and summary['final_eval_accuracy'] > 0
+
 def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tmp_path):
   """A 1-epoch run extended to 2 that stopped after its second epoch's
   checkpoint, before writing its summary: the old summary is not the end of
