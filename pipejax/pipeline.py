@@ -278,8 +278,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
 
     def tick(carry, t):
       act_buf, cot_buf, grads, loss_sum, metric_sum = carry
-      # With one stage the table is known per tick: no switch needed.
-      op = int(sched.ops[t, 0]) if single else ops[t, stage]
+      op = ops[t, stage]
       m, slot = mbs[t, stage], slots[t, stage]
       bm, bslot = (backward_mbs[t, stage], backward_slots[t, stage]) if own_backward else (m, slot)
 
@@ -295,8 +294,6 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                   jax.tree.map(jnp.add, metric_sum, metrics))
         if not training:
           return run()
-        if single:
-          return idle()
         return lax.cond(is_last, idle, run)
 
       def backward(m=m, slot=slot):
@@ -310,21 +307,15 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                 jax.tree.map(jnp.add, metric_sum, metrics))
 
       if fused:  # a FWD, then a BWD of another micro-batch, each where the cell has one
-        if single:
-          send_act = forward()[0] if op & schedule_lib.FWD else act_fill
-          send_cot, grads, loss_sum, metric_sum = (
-              backward(bm, bslot)[1:] if op & schedule_lib.BWD else idle()[1:])
-        else:
-          send_act = lax.cond((op & schedule_lib.FWD) > 0, lambda: forward()[0],
-                              lambda: act_fill)
-          send_cot, grads, loss_sum, metric_sum = lax.cond(
-              (op & schedule_lib.BWD) > 0, lambda: backward(bm, bslot)[1:], lambda: idle()[1:])
+        send_act = lax.cond((op & schedule_lib.FWD) > 0, lambda: forward()[0],
+                            lambda: act_fill)
+        send_cot, grads, loss_sum, metric_sum = lax.cond(
+            (op & schedule_lib.BWD) > 0, lambda: backward(bm, bslot)[1:], lambda: idle()[1:])
       else:
         branches = ([idle, forward, functools.partial(backward, bm, bslot)] if training
                     else [idle, forward, idle])
-        send_act, send_cot, grads, loss_sum, metric_sum = (
-            branches[op]() if single else lax.switch(op, branches))
-      if num_stages > 1 and training and exchange == 'all_gather':
+        send_act, send_cot, grads, loss_sum, metric_sum = lax.switch(op, branches)
+      if training and exchange == 'all_gather':
         # Both messages in one collective: every stage gathers what all sent
         # and keeps the activation of the stage before and the cotangent of
         # the one after (what the two ppermutes below deliver, zeros at the
@@ -335,7 +326,7 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
                                          keepdims=False)
         act_buf = _store(act_buf, jnp.where(is_first, act_zero, before[0]), recv_act[t, stage])
         cot_buf = _store(cot_buf, jnp.where(is_last, act_zero, after[1]), recv_cot[t, stage])
-      elif num_stages > 1:
+      else:
         arrived = lax.ppermute(send_act, STAGE, [(i, i + 1) for i in range(num_stages - 1)])
         act_buf = _store(act_buf, arrived, recv_act[t, stage])
         if training:
@@ -343,13 +334,33 @@ def _stage_body(model: LayeredModel, plan: Plan, sched: schedule_lib.Schedule, t
           cot_buf = _store(cot_buf, arrived, recv_cot[t, stage])
       return (act_buf, cot_buf, grads, loss_sum, metric_sum), None
 
-    carry = (buf0, buf0 if training else buf0[:0], grads0, jnp.zeros((), jnp.float32),
-             metric_zero)
     if single:
-      for t in range(sched.num_ticks):
-        carry, _ = tick(carry, t)
-      _, _, grads, loss_sum, metric_sum = carry
+      # One stage exchanges nothing and reads the batch, never its buffers: its
+      # only work is each micro-batch's BWD (training; its FWD is fused into
+      # it) or FWD, in the table's order, run as a loop. Unrolled, the program
+      # held M copies of the whole model, and its first compile grew with M.
+      work = schedule_lib.BWD if training else schedule_lib.FWD
+      of = sched.micro_batch_of_backward() if training else sched.micro_batch
+      order = np.array([of[t, 0] for t in range(sched.num_ticks)
+                        if int(sched.ops[t, 0]) & work], np.int32)
+
+      def one(acc, m):
+        grads, loss_sum, metric_sum = acc
+        if training:
+          (_, (loss, metrics)), vjp = jax.vjp(lambda p, x: stage_fn(p, x, m), params, act_zero)
+          g_params, _ = vjp((act_zero, (jnp.asarray(weighted(inv_m, m), jnp.float32),
+                                        jax.tree.map(jnp.zeros_like, metrics))))
+          grads = jax.tree.map(jnp.add, grads, g_params)
+        else:
+          _, (loss, metrics) = stage_fn(params, act_zero, m)
+        return (grads, loss_sum + weighted(loss, m),
+                jax.tree.map(jnp.add, metric_sum, metrics)), None
+
+      (grads, loss_sum, metric_sum), _ = lax.scan(
+          one, (grads0, jnp.zeros((), jnp.float32), metric_zero), jnp.asarray(order))
     else:
+      carry = (buf0, buf0 if training else buf0[:0], grads0, jnp.zeros((), jnp.float32),
+               metric_zero)
       (_, _, grads, loss_sum, metric_sum), _ = lax.scan(tick, carry,
                                                         jnp.arange(sched.num_ticks))
     loss = lax.pmean(lax.psum(loss_sum, STAGE), DATA) * inv_m
