@@ -685,9 +685,9 @@ def _recover(workdir: str, resume_: bool = True) -> None:
   except (OSError, checkpoints.CheckpointError) as e:
     # Journaled: the next run goes on from where this stopped.
     raise ConfigError(f'cannot put the outputs in {replaced} back into {workdir} yet ({e}); '
-                      f'they are safe there, and the next run on {workdir} puts them back '
-                      f'first (fix the cause, e.g. free disk space, then run the same command '
-                      f'without --config.resume=False)') from e
+                      f'they are safe there: once the cause is fixed (e.g. disk space freed), '
+                      f'the same command without --config.resume=False puts them back before '
+                      f'it starts') from e
   _log(f'the outputs of the run that --config.resume=False replaced are back in {workdir}: ' + (
       'that start over was stopped while it moved them' if phase == 'moving' else
       'the run that replaced them ended before its first checkpoint'))
@@ -748,7 +748,7 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
           f'{workdir} holds {len(rows)} metrics rows of an earlier run but no readable '
           f'checkpoint (' + (f'set aside as unreadable: {", ".join(aside)}' if aside else
                              'that run finished without checkpoints' if finished else
-                             'that run wrote none: checkpoint.enabled=False')
+                             'that run wrote none: checkpoint.enabled=False, or plain_dp')
           + '); use another --workdir, or --config.resume=False to start over')
     dropped = reporting.keep_rows(workdir, 0)
     if dropped:
@@ -852,8 +852,8 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   workdir = expand_user_paths(config, workdir)
   distributed.initialize(config, _log)  # before any JAX computation
   distributed.watch_for_failures(_checkpoint_dir(workdir))  # another process's error ends this one
-  # Together, on every process: a workdir given to some processes only is a
-  # difference of configuration; given to none, the error just below.
+  # Together, on every process: another configuration, or a workdir given
+  # to some processes only or elsewhere; given to none, the error just below.
   distributed.check_same_config(config, workdir)
   if not workdir and jax.process_count() > 1:  # before the data and the model load
     raise ConfigError('a run of several processes needs --workdir (the same folder for '
@@ -1308,12 +1308,23 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   wants_help = any(a in HELP_FLAGS for a in argv[1:])
   if wants_help:
     argv = argv[:1] + [a for a in argv[1:] if a not in HELP_FLAGS]
+  given, without = _config_file_argument(argv)
   try:
-    # Defining the flag already reads the command line (to load the file).
-    config_flags.DEFINE_config_file('config', config_file, 'the run configuration',
-                                    lock_config=True)
+    if given is None or os.path.realpath(given) == os.path.realpath(config_file):
+      # Defining the flag already reads the command line (to load the file).
+      config_flags.DEFINE_config_file('config', config_file, 'the run configuration',
+                                      lock_config=True)
+    else:
+      # A file of the user's, completed with the command's keys before the
+      # overrides apply: an override may name a key the file lacks.
+      argv = without
+      config_flags.DEFINE_config_dict('config', _user_config_file(given, config_file),
+                                      'the run configuration', lock_config=True, sys_argv=argv)
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
     rest = flags.FLAGS(argv)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return None
   except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
     print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
@@ -1321,12 +1332,6 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     flags.FLAGS.config.keys  # noqa: B018 - a --config file that failed to load raises here
   except Exception as e:  # noqa: BLE001 - the file: missing, a directory, unreadable
     print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
-    return None
-  try:
-    _complete_config_file(flags.FLAGS.config,
-                          config_flags.get_config_filename(flags.FLAGS['config']), config_file)
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr)
     return None
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
@@ -1348,48 +1353,82 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
 
 
 def _load_config_file(path: str):
-  """``get_config()`` of the config file ``path``."""
+  """``get_config()`` of the config file ``path`` (its ``OSError`` when it
+  cannot be read: missing, a directory)."""
+  import importlib.machinery  # noqa: PLC0415
   import importlib.util  # noqa: PLC0415
-  spec = importlib.util.spec_from_file_location('_pipejax_default_config', path)
+  with open(path, 'rb'):
+    pass
+  spec = importlib.util.spec_from_file_location(
+      '_pipejax_config_file', path,
+      loader=importlib.machinery.SourceFileLoader('_pipejax_config_file', path))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
 
 
-def _complete_config_file(config, given: str, config_file: str) -> None:
-  """Holds a ``--config`` file's configuration ``config`` against the
-  command's own, ``config_file``'s: a key that the file sets and the
-  command does not know (a typo, which would otherwise be ignored) is
-  refused in one line; keys that the file lacks (written for an earlier
-  pipejax) get the command's defaults, said in one line."""
-  if not given or os.path.realpath(given) == os.path.realpath(config_file):
-    return
+def _config_file_argument(argv: list[str]) -> tuple[str | None, list[str]]:
+  """The ``--config`` file that ``argv`` names (``--config=FILE`` or
+  ``--config FILE``; the last one, as absl takes it), and ``argv`` without it."""
+  given, rest, i = None, argv[:1], 1
+  while i < len(argv):
+    arg = argv[i]
+    if arg.startswith('--config='):
+      given = arg.split('=', 1)[1]
+    elif arg == '--config' and i + 1 < len(argv):
+      given = argv[i + 1]
+      i += 1
+    else:
+      rest.append(arg)
+    i += 1
+  return given, rest
+
+
+def _user_config_file(given: str, config_file: str):
+  """``get_config()`` of the user's ``--config`` file ``given``, held
+  against the command's own (``config_file``'s): keys the file lacks
+  (written for an earlier pipejax) get the command's defaults, and keys
+  the command does not read (a typo; or a helper that other keys reference)
+  are named, each in one line.
+
+  Raises:
+    ConfigError: the file cannot be loaded.
+  """
+  try:
+    config = _load_config_file(given)
+  except OSError as e:  # missing, a directory, unreadable
+    raise ConfigError(f'cannot load the --config file: {e}') from e
+  except Exception as e:  # noqa: BLE001 - whatever the file's code raises
+    detail = distributed.first_line(str(e), 200)
+    raise ConfigError(f'cannot load the --config file {given}: {type(e).__name__}'
+                      + (f': {detail}' if detail else '')) from e
   default = _load_config_file(config_file)
   known = dict(config_keys.flat(default))
   ours = dict(config_keys.flat(config))
   unknown = [key for key in ours if key not in known]
   if unknown:
-    near = difflib.get_close_matches(unknown[0], list(known), n=1)
-    hint = f'did you mean {near[0]!r}? ' if near else ''
-    raise ConfigError(f'the --config file {given} sets {", ".join(map(repr, unknown[:3]))}' + (
-        f' (and {len(unknown) - 3} more)' if len(unknown) > 3 else '')
-        + f', which this command does not have ({hint}--help lists the keys)')
+    named = []
+    for key in unknown:
+      near = difflib.get_close_matches(key, list(known), n=1)
+      named.append(f'{key!r}' + (f' (did you mean {near[0]!r}?)' if near else ''))
+    _log(f'note: the --config file {given} sets {len(unknown)} key'
+         f'{"s" * (len(unknown) > 1)} that this command does not read: {", ".join(named)}')
   missing = [key for key in known if key not in ours]
-  if not missing:
-    return
-  with config.unlocked():
-    for key in missing:
-      *groups, name = key.split('.')
-      node, source = config, default
-      for group in groups:
-        source = source[group]
-        if group not in node:
-          node[group] = type(source)()  # a group the file lacks entirely
-        node = node[group]
-      node[name] = copy.deepcopy(source[name])
-  _log(f'the --config file {given} lacks {len(missing)} keys (written for an earlier '
-       f'pipejax?): their defaults are used: ' + ', '.join(
-           f'{key}={config_keys.shown(known[key])}' for key in missing))
+  if missing:
+    with config.unlocked():
+      for key in missing:
+        *groups, name = key.split('.')
+        node, source = config, default
+        for group in groups:
+          source = source[group]
+          if group not in node:
+            node[group] = type(source)()  # a group the file lacks entirely
+          node = node[group]
+        node[name] = copy.deepcopy(source[name])
+    _log(f'note: the --config file {given} lacks {len(missing)} key'
+         f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); the defaults are '
+         f'used: ' + ', '.join(f'{key}={config_keys.shown(known[key])}' for key in missing))
+  return config
 
 
 def cli(config_file: str, task: str) -> int:

@@ -520,7 +520,7 @@ def _load(path: str) -> dict[str, Any]:
   for key, value in data.items():  # a record per configuration digest, and descriptions
     # A record maps pipeline lengths (digits) to choices; another program's
     # object of objects (a tsconfig.json) is not ours to rewrite either.
-    record = isinstance(value, dict) and all(str(k).isdigit() for k in value)
+    record = isinstance(value, dict) and all(str(k).isdecimal() for k in value)
     if key != ABOUT and not re.fullmatch(r'[0-9a-f]{16}', key) and not record:
       held = 'no micro-batch record' if isinstance(value, dict) else type(value).__name__
       raise NotAProfile(f'{path} is not a micro-batch profile (its key {key[:40]!r} is no '

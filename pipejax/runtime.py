@@ -124,8 +124,12 @@ _ORBAX_FAILED_SAVE = ('_SignalingThread.run() raised an exception', 'in backgrou
 def _quiet_orbax_failed_save(record) -> bool:
   """Drops orbax's logs of a background save that failed: pipejax raises the
   same error itself, in one line naming the step and the checkpoint that is
-  intact (:class:`pipejax.checkpoints.CheckpointError`)."""
-  if record.exc_info is None:
+  intact (:class:`pipejax.checkpoints.CheckpointError`), at once in a single
+  process. A job of several processes raises it only at its next save, so
+  there the logs stay: they are the first sign."""
+  if record.exc_info is None or 'jax' not in sys.modules:
+    return True
+  if sys.modules['jax'].process_count() > 1:
     return True
   message = record.getMessage()
   return not any(part in message for part in _ORBAX_FAILED_SAVE)

@@ -105,12 +105,13 @@ class LossNotFinite(FloatingPointError):
 
 class TrainingInterrupted(Exception):
   """Training stopped on request (SIGTERM/SIGINT) after a step, with the
-  state saved in ``checkpoint`` (None when checkpoints are disabled)."""
+  state saved in ``checkpoint`` (None when nothing was saved: checkpoints
+  disabled, or a start over cancelled; the caller says which)."""
 
   def __init__(self, epoch: int, step: int, checkpoint: str | None):
     self.epoch, self.step, self.checkpoint = epoch, step, checkpoint
     super().__init__(f'stopped on request after step {step} (epoch {epoch}); '
-                     f'checkpoint: {checkpoint or "none (checkpoints disabled)"}')
+                     f'checkpoint: {checkpoint or "none"}')
 
 
 def _without_frozen(state: dict) -> dict:
@@ -578,7 +579,7 @@ class Trainer:
           f'{self._data_shards()}: the rest of that epoch would repeat some samples and skip '
           f'others; resume with --config.distributed.data_shards={saved_shards} on a number '
           f'of processes that divides {saved_shards} (one process always does: it reads '
-          f'every shard), or from a checkpoint of an epoch\'s end')
+          f'every shard)')
     c = self.config
     if not meta['epoch_done']:
       mid, here = (autodp.global_batch_size(c.train.batch_size, r, c.train.batch_mode)

@@ -489,7 +489,6 @@ def test_a_cache_directory_another_run_uses_is_refused_and_left_alone(tmp_path):
   assert claim not in autocache_disk._CLAIMS  # noqa: SLF001
 
 
-
 def test_a_cache_directory_that_is_the_run_s_own_workdir_is_not_taken_for_another_run(tmp_path):
   """``cache.directory`` set to the run's workdir, whose lock the run holds
   itself: the disk tier claims a lock of its own name, so it is neither
@@ -511,6 +510,7 @@ def test_a_cache_directory_that_is_the_run_s_own_workdir_is_not_taken_for_anothe
     assert (workdir / elastic.LOCK_FILE).read_bytes() == before
   finally:
     held.release()
+
 
 def test_torn_write_never_reads_as_valid(tmp_path):
   """A crash mid-write leaves a record mixing the new and the old bytes (or
@@ -793,7 +793,6 @@ def test_decide_caching():
   assert d.seconds_without == pytest.approx(0.30) and d.seconds_with == pytest.approx(0.19)
 
 
-
 def test_processes_agree_on_the_slowest_timings_and_the_least_cached():
   """With several processes the decision's inputs are combined so that
   caching must pay on every process: each timing is the slowest process's,
@@ -804,6 +803,7 @@ def test_processes_agree_on_the_slowest_timings_and_the_least_cached():
                        [0.20, 0.04, 0.06, 1.0, 0.75]])
   assert combine_decision_inputs(everyone) == (0.30, 0.04, 0.07, False, 0.50)
   assert combine_decision_inputs(everyone[[0, 2]]) == (0.20, 0.04, 0.07, True, 0.50)
+
 
 def test_a_cache_that_holds_part_of_the_samples_pays_a_forward_for_every_batch_with_a_miss():
   """A batch is served from the cache only when all its samples hit; the

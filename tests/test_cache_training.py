@@ -144,7 +144,6 @@ def test_cached_training_equals_uncached(uncached):
   np.testing.assert_array_equal(trainer.prefix.cache.layer_passes_per_sample(), 3)
 
 
-
 def test_freeze_events_inside_epochs_train_the_same_from_the_cache():
   """``freeze.timestep_steps``: the frozen prefix deepens every two steps,
   inside epochs, while the cache fills and advances. The losses equal the
@@ -171,6 +170,7 @@ def test_freeze_events_inside_epochs_train_the_same_from_the_cache():
   assert stats['repeated_layer_passes'] == 0 and stats['hits'] > 0
   np.testing.assert_array_equal(cached.prefix.cache.layer_passes_per_sample(),
                                 cached.prefix.cache.depth)
+
 
 def test_a_padded_last_batch_trains_the_same_from_the_cache():
   """A train loader that pads its last batch (57 samples in batches of 16:
@@ -670,7 +670,6 @@ def test_the_run_s_cache_starts_empty_in_a_directory_it_filled_before(tmp_path, 
   again = cache()
   assert again.stats()['disk_entries'] == 0 and not again.contains(ids).any()
   again.close()
-
 
 
 def test_the_workdir_s_own_cache_of_another_identity_is_cleared_a_chosen_one_refused(tmp_path):

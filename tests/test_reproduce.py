@@ -2,8 +2,8 @@
 tables on synthetic runs, and a real (tiny) invocation end to end."""
 import json
 import os
-import sys
 import subprocess
+import sys
 import textwrap
 import types
 

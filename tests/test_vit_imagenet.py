@@ -14,6 +14,7 @@ from pipejax import autopipe, resume
 from pipejax.data import default_workers
 from tests import fixtures
 
+
 def _config(tmp_path, **overrides):
   config = vit_imagenet.get_config()
   with config.unlocked():
@@ -772,34 +773,53 @@ def test_check_config_refuses_a_batch_a_compressed_pipeline_cannot_split():
 
 def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
   """A ``--config`` file written for an earlier pipejax (a key and a whole
-  group missing) runs with the command's defaults for them, said in one line;
-  a key the command does not have (a typo, which would be ignored) is
-  refused in one line, naming the near key."""
+  group missing) runs with the command's defaults for them, said in one
+  line, and an override may name them; keys the command does not read (a
+  typo, or a helper that other keys reference) are named in one line, and a
+  reference through a helper still follows its override."""
   source = open(vit_imagenet.__file__).read()
   older = source.replace("  c.train.max_grad_norm = 0.0", "  pass  # c.train.max_grad_norm")
   older = re.sub(r'\n  c\.distributed\b[^\n]*', '', older)
   assert older.count('max_grad_norm') == 1 and 'c.distributed' not in older
+  head, tail = older.rsplit('\n  c.lock()\n', 1)
+  older = (head + "\n  c.train.learning_rte = 1e-3\n  c.base = 0.5\n"
+           "  c.freeze.alpha = c.get_ref('base') * 0.5\n  c.lock()\n" + tail)
   (tmp_path / 'older.py').write_text(older)
-  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
-                        f'--config={tmp_path / "older.py"}', '--config.train.epochs=3', '--help'],
-                       capture_output=True, text=True, timeout=300)
-  assert out.returncode == 0, out.stderr
-  note = [line for line in out.stdout.splitlines() if 'lacks' in line]
-  assert len(note) == 1 and note[0].startswith(
-      f'the --config file {tmp_path / "older.py"} lacks 7 keys (written for an earlier '
-      f'pipejax?): their defaults are used: ')
-  assert 'train.max_grad_norm=0.0' in note[0] and "distributed.coordinator=''" in note[0]
-  keys = out.stdout.split('config keys (--config.KEY=VALUE)')[1]
+
+  def keys(*args):
+    out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                          f'--config={tmp_path / "older.py"}', *args, '--help'],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stdout.splitlines() if line.startswith('note: the --config')]
+    return notes, out.stdout.split('config keys (--config.KEY=VALUE)')[1]
+
+  notes, listed = keys('--config.train.epochs=3')
+  assert len(notes) == 2 and notes[0] == (
+      f"note: the --config file {tmp_path / 'older.py'} sets 2 keys that this command does not "
+      f"read: 'base', 'train.learning_rte' (did you mean 'train.learning_rate'?)")
+  prefix = (f"note: the --config file {tmp_path / 'older.py'} lacks 7 keys (written for an "
+            f"earlier pipejax?); the defaults are used: ")
+  assert notes[1].startswith(prefix)
+  assert sorted(notes[1][len(prefix):].split(', ')) == [
+      "distributed.coordinator=''", 'distributed.data_shards=0',
+      'distributed.heartbeat_timeout_seconds=100',
+      'distributed.initialization_timeout_seconds=300', 'distributed.num_processes=1',
+      'distributed.process_id=0', 'train.max_grad_norm=0.0']
   for line in ('--config.train.max_grad_norm=0.0', "--config.distributed.coordinator=''",
-               '--config.distributed.num_processes=1', '--config.train.epochs=3'):
-    assert f'\n  {line}\n' in keys, line
-  typo = source.replace("  c.train.max_grad_norm = 0.0", "  c.train.max_grad_norm = 0.0\n"
-                        "  c.train.learning_rte = 1e-3")
-  (tmp_path / 'typo.py').write_text(typo)
+               '--config.distributed.num_processes=1', '--config.train.epochs=3',
+               '--config.freeze.alpha=0.25'):
+    assert f'\n  {line}\n' in listed, line
+  # Overrides of a key the file lacks, and of the helper another key follows.
+  _, listed = keys('--config.train.max_grad_norm=1.5', '--config.base=0.4')
+  for line in ('--config.train.max_grad_norm=1.5', '--config.freeze.alpha=0.2'):
+    assert f'\n  {line}\n' in listed, line
+  # A file that cannot load: one line, exit 2.
+  (tmp_path / 'broken.py').write_text('def get_config():\n  return 1 / 0\n')
   out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
-                        f'--workdir={tmp_path / "w"}', f'--config={tmp_path / "typo.py"}'],
+                        f'--workdir={tmp_path / "w"}', f'--config={tmp_path / "broken.py"}'],
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 2 and out.stderr == (
-      f"error: the --config file {tmp_path / 'typo.py'} sets 'train.learning_rte', which this "
-      f"command does not have (did you mean 'train.learning_rate'? --help lists the keys)\n")
+      f"error: cannot load the --config file {tmp_path / 'broken.py'}: ZeroDivisionError: "
+      f"division by zero\n")
   assert not os.path.exists(tmp_path / 'w')
