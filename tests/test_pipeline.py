@@ -122,6 +122,7 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
 
 
 @pytest.mark.parametrize('kind,k,sizes,micro', [
+    ('vit', 1, None, 4),  # one stage: its micro-batches run as a loop
     ('vit', 2, None, 4),
     ('vit', 4, (4, 1, 3, 2), 8),
     ('bert-classification', 8, (1,) * 8, 16),
