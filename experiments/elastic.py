@@ -23,6 +23,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from tqdm import tqdm
 
@@ -1313,7 +1314,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     if given is None or os.path.realpath(given) == os.path.realpath(config_file):
       # Defining the flag already reads the command line (to load the file).
       config_flags.DEFINE_config_file('config', config_file, 'the run configuration',
-                                      lock_config=True)
+                                      lock_config=True, sys_argv=argv)
     else:
       # A file of the user's, completed with the command's keys before the
       # overrides apply: an override may name a key the file lacks.
@@ -1333,6 +1334,13 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   except Exception as e:  # noqa: BLE001 - the file: missing, a directory, unreadable
     print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
+  loaded = config_flags.get_config_filename(flags.FLAGS['config'])  # the dict, for a user's
+  if isinstance(loaded, str) and os.path.realpath(loaded) != os.path.realpath(config_file):
+    try:  # a file named another way (a --flagfile): held against the keys all the same
+      _hold_against(flags.FLAGS.config, loaded, config_file)
+    except ConfigError as e:
+      print(f'error: {e}', file=sys.stderr)
+      return None
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
     raise SystemExit(0)
@@ -1373,9 +1381,9 @@ def _config_file_argument(argv: list[str]) -> tuple[str | None, list[str]]:
   given, rest, i = None, argv[:1], 1
   while i < len(argv):
     arg = argv[i]
-    if arg.startswith('--config='):
+    if arg.startswith(('--config=', '-config=')):
       given = arg.split('=', 1)[1]
-    elif arg == '--config' and i + 1 < len(argv):
+    elif arg in ('--config', '-config') and i + 1 < len(argv):
       given = argv[i + 1]
       i += 1
     else:
@@ -1386,13 +1394,10 @@ def _config_file_argument(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def _user_config_file(given: str, config_file: str):
   """``get_config()`` of the user's ``--config`` file ``given``, held
-  against the command's own (``config_file``'s): keys the file lacks
-  (written for an earlier pipejax) get the command's defaults, and keys
-  the command does not read (a typo; or a helper that other keys reference)
-  are named, each in one line.
+  against the command's own (:func:`_hold_against`).
 
   Raises:
-    ConfigError: the file cannot be loaded.
+    ConfigError: the file cannot be loaded, or sets what the command lacks.
   """
   try:
     config = _load_config_file(given)
@@ -1402,33 +1407,69 @@ def _user_config_file(given: str, config_file: str):
     detail = distributed.first_line(str(e), 200)
     raise ConfigError(f'cannot load the --config file {given}: {type(e).__name__}'
                       + (f': {detail}' if detail else '')) from e
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f'get_config() of the --config file {given} returned a '
+                      f'{type(config).__name__}, not an ml_collections.ConfigDict')
+  _hold_against(config, given, config_file)
+  return config
+
+
+def _hold_against(config, given: str, config_file: str) -> None:
+  """Holds the configuration ``config`` of the user's config file ``given``
+  against the command's own (``config_file``'s), in place: a key the
+  command does not read is refused in one line (a typo, which would be
+  ignored; with the near key), unless it is a reference that other keys
+  follow (``c.get_ref``), which is named in one line; keys the file lacks
+  (written for an earlier pipejax) get the command's defaults, said in one
+  line.
+
+  Raises:
+    ConfigError: a key the command does not read, or a value where the
+      command has a group of keys.
+  """
   default = _load_config_file(config_file)
   known = dict(config_keys.flat(default))
   ours = dict(config_keys.flat(config))
+
+  def named(key):
+    near = difflib.get_close_matches(key, list(known), n=1)
+    return f'{key!r}' + (f' (did you mean {near[0]!r}?)' if near else '')
+
+  def is_reference(key):
+    *groups, name = key.split('.')
+    node = config
+    for group in groups:
+      node = node[group]
+    return isinstance(node._fields.get(name), ml_collections.FieldReference)  # noqa: SLF001
+
   unknown = [key for key in ours if key not in known]
+  typos = [key for key in unknown if not is_reference(key)]
+  if typos:
+    raise ConfigError(f'the --config file {given} sets {", ".join(map(named, typos))}, which '
+                      f'this command does not have (--help lists the keys)')
   if unknown:
-    named = []
-    for key in unknown:
-      near = difflib.get_close_matches(key, list(known), n=1)
-      named.append(f'{key!r}' + (f' (did you mean {near[0]!r}?)' if near else ''))
-    _log(f'note: the --config file {given} sets {len(unknown)} key'
-         f'{"s" * (len(unknown) > 1)} that this command does not read: {", ".join(named)}')
+    _log(f'note: the --config file {given} sets {len(unknown)} reference'
+         f'{"s" * (len(unknown) > 1)} that this command does not read itself: '
+         f'{", ".join(map(repr, unknown))}')
   missing = [key for key in known if key not in ours]
-  if missing:
-    with config.unlocked():
-      for key in missing:
-        *groups, name = key.split('.')
-        node, source = config, default
-        for group in groups:
-          source = source[group]
-          if group not in node:
-            node[group] = type(source)()  # a group the file lacks entirely
-          node = node[group]
-        node[name] = copy.deepcopy(source[name])
-    _log(f'note: the --config file {given} lacks {len(missing)} key'
-         f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); the defaults are '
-         f'used: ' + ', '.join(f'{key}={config_keys.shown(known[key])}' for key in missing))
-  return config
+  if not missing:
+    return
+  with config.unlocked():
+    for key in missing:
+      *groups, name = key.split('.')
+      node, source = config, default
+      for group in groups:
+        source = source[group]
+        if group not in node:
+          node[group] = type(source)()  # a group the file lacks entirely
+        node = node[group]
+        if not isinstance(node, ml_collections.ConfigDict):
+          raise ConfigError(f'the --config file {given} sets {group!r} to a value, where this '
+                            f'command has a group of keys ({key} among them)')
+      node[name] = copy.deepcopy(source[name])
+  _log(f'note: the --config file {given} lacks {len(missing)} key'
+       f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); the defaults are '
+       f'used: ' + ', '.join(f'{key}={config_keys.shown(known[key])}' for key in missing))
 
 
 def cli(config_file: str, task: str) -> int:

@@ -129,10 +129,10 @@ def _quiet_orbax_failed_save(record) -> bool:
   there the logs stay: they are the first sign."""
   if record.exc_info is None or 'jax' not in sys.modules:
     return True
-  if sys.modules['jax'].process_count() > 1:
-    return True
   message = record.getMessage()
-  return not any(part in message for part in _ORBAX_FAILED_SAVE)
+  # Read last: process_count() starts JAX's backends, never before a save has.
+  return not (any(part in message for part in _ORBAX_FAILED_SAVE)
+              and sys.modules['jax'].process_count() == 1)
 
 
 def _quiet_orbax_tmp_metadata(record) -> bool:

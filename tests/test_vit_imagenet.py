@@ -774,16 +774,17 @@ def test_check_config_refuses_a_batch_a_compressed_pipeline_cannot_split():
 def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
   """A ``--config`` file written for an earlier pipejax (a key and a whole
   group missing) runs with the command's defaults for them, said in one
-  line, and an override may name them; keys the command does not read (a
-  typo, or a helper that other keys reference) are named in one line, and a
-  reference through a helper still follows its override."""
+  line, and an override may name them; a helper that other keys reference
+  is named in one line and still followed; a key the command does not read
+  (a typo, which would be ignored) is refused in one line, naming the near
+  key; and so is a file that does not load."""
   source = open(vit_imagenet.__file__).read()
   older = source.replace("  c.train.max_grad_norm = 0.0", "  pass  # c.train.max_grad_norm")
   older = re.sub(r'\n  c\.distributed\b[^\n]*', '', older)
   assert older.count('max_grad_norm') == 1 and 'c.distributed' not in older
   head, tail = older.rsplit('\n  c.lock()\n', 1)
-  older = (head + "\n  c.train.learning_rte = 1e-3\n  c.base = 0.5\n"
-           "  c.freeze.alpha = c.get_ref('base') * 0.5\n  c.lock()\n" + tail)
+  older = (head + "\n  c.base = 0.5\n  c.freeze.alpha = c.get_ref('base') * 0.5\n"
+           "  c.lock()\n" + tail)
   (tmp_path / 'older.py').write_text(older)
 
   def keys(*args):
@@ -796,8 +797,8 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
 
   notes, listed = keys('--config.train.epochs=3')
   assert len(notes) == 2 and notes[0] == (
-      f"note: the --config file {tmp_path / 'older.py'} sets 2 keys that this command does not "
-      f"read: 'base', 'train.learning_rte' (did you mean 'train.learning_rate'?)")
+      f"note: the --config file {tmp_path / 'older.py'} sets 1 reference that this command "
+      f"does not read itself: 'base'")
   prefix = (f"note: the --config file {tmp_path / 'older.py'} lacks 7 keys (written for an "
             f"earlier pipejax?); the defaults are used: ")
   assert notes[1].startswith(prefix)
@@ -810,16 +811,30 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
                '--config.distributed.num_processes=1', '--config.train.epochs=3',
                '--config.freeze.alpha=0.25'):
     assert f'\n  {line}\n' in listed, line
-  # Overrides of a key the file lacks, and of the helper another key follows.
+  # Overrides of a key the file lacks, and of the helper another key follows;
+  # the file named -config F, as absl takes it too.
   _, listed = keys('--config.train.max_grad_norm=1.5', '--config.base=0.4')
   for line in ('--config.train.max_grad_norm=1.5', '--config.freeze.alpha=0.2'):
     assert f'\n  {line}\n' in listed, line
-  # A file that cannot load: one line, exit 2.
-  (tmp_path / 'broken.py').write_text('def get_config():\n  return 1 / 0\n')
-  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
-                        f'--workdir={tmp_path / "w"}', f'--config={tmp_path / "broken.py"}'],
-                       capture_output=True, text=True, timeout=300)
-  assert out.returncode == 2 and out.stderr == (
+
+  def refused(name, text):
+    (tmp_path / name).write_text(text)
+    out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                          f'--workdir={tmp_path / "w"}', '-config', str(tmp_path / name)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count('\n') == 1, out.stderr
+    assert not os.path.exists(tmp_path / 'w')
+    return out.stderr
+
+  typo = source.replace("  c.train.max_grad_norm = 0.0", "  c.train.max_grad_norm = 0.0\n"
+                        "  c.train.learning_rte = 1e-3")
+  assert refused('typo.py', typo) == (
+      f"error: the --config file {tmp_path / 'typo.py'} sets 'train.learning_rte' (did you "
+      f"mean 'train.learning_rate'?), which this command does not have (--help lists the "
+      f"keys)\n")
+  assert refused('broken.py', 'def get_config():\n  return 1 / 0\n') == (
       f"error: cannot load the --config file {tmp_path / 'broken.py'}: ZeroDivisionError: "
       f"division by zero\n")
-  assert not os.path.exists(tmp_path / 'w')
+  assert refused('none.py', 'def get_config():\n  return None\n') == (
+      f"error: get_config() of the --config file {tmp_path / 'none.py'} returned a NoneType, "
+      f"not an ml_collections.ConfigDict\n")
