@@ -494,21 +494,21 @@ def test_a_mid_epoch_checkpoint_resumes_only_over_its_data_shards(tmp_path):
   and skip samples, so it is refused in one line saying what resumes it;
   with the same shards it finishes."""
   profile = str(tmp_path / 'p.json')
-  sharded = _config(profile, **{'train.epochs': 2, 'distributed.data_shards': 2})
+  sharded = _config(profile, **{'train.epochs': 1, 'distributed.data_shards': 2})
   workdir = str(tmp_path / 'run')
   with pytest.raises(TrainingInterrupted) as stopped:
     elastic.run(sharded, workdir, task='vit', stop_requested=_stop_at(2))
   assert (stopped.value.epoch, stopped.value.step) == (0, 2)
   with pytest.raises(resume.CheckpointMismatch) as refused:
-    elastic.run(_config(profile, **{'train.epochs': 2}), workdir, task='vit')
+    elastic.run(_config(profile, **{'train.epochs': 1}), workdir, task='vit')
   assert str(refused.value) == (
       'the checkpoint was saved in the middle of epoch 0 with the samples drawn over 2 data '
       'shard(s), this run draws them over 1: the rest of that epoch would repeat some samples '
       'and skip others; resume with --config.distributed.data_shards=2 on a number of '
       'processes that divides 2 (one process always does: it reads every shard)')
-  summary = elastic.run(_config(profile, **{'train.epochs': 2, 'distributed.data_shards': 2}),
+  summary = elastic.run(_config(profile, **{'train.epochs': 1, 'distributed.data_shards': 2}),
                         workdir, task='vit')
-  assert [r['epoch'] for r in _rows(workdir)] == [0, 1] and summary['final_eval_accuracy'] > 0
+  assert [r['epoch'] for r in _rows(workdir)] == [0] and summary['final_eval_accuracy'] > 0
 
 
 def test_a_summary_of_the_run_before_it_was_extended_is_not_taken_for_its_end(tmp_path):
