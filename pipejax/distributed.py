@@ -191,20 +191,15 @@ def check_same_config(config, workdir: str | None) -> None:
   Raises:
     DistributedError: the processes that differ from process 0.
   """
-  were = lambda differ: 'were' if len(differ) > 1 else 'was'  # noqa: E731
-  differ = _differing_processes(config, config_digest(config, None))
-  if differ:
-    raise DistributedError(
-        f'{name_processes(differ)} {were(differ)} started with another configuration than '
-        f'process 0: start every process with the same command line (but '
-        f'distributed.process_id; a path key starting with ~ is each host\'s home)')
+  _refuse_differences(config, config_digest(config, None), lambda were: (
+      f'{were} started with another configuration than process 0: start every process with '
+      f'the same command line (but distributed.process_id; a path key starting with ~ is '
+      f'each host\'s home)'))
   here = os.path.abspath(workdir) if workdir else ''
-  differ = _differing_processes(config, _digest(here))
-  if differ:
-    raise DistributedError(
-        f'{name_processes(differ)} {were(differ)} started with another --workdir than process '
-        f'0 (this process: {here or "none"}): give every process the same absolute path (a '
-        f'relative one is resolved in each process\'s own current directory)')
+  _refuse_differences(config, _digest(here), lambda were: (
+      f'{were} started with another --workdir than process 0 (this process: '
+      f'{here or "none"}): give every process the same absolute path (a relative one is '
+      f'resolved in each process\'s own current directory)'))
 
 
 def check_same_data(config, description: str) -> None:
@@ -217,12 +212,20 @@ def check_same_data(config, description: str) -> None:
   Raises:
     DistributedError: the processes that differ from process 0.
   """
-  differ = _differing_processes(config, _digest(description))
+  _refuse_differences(config, _digest(description), lambda _: (
+      f'found another data set than process 0 (this process: {description}): give every '
+      f'host the same data (data.name, data.data_dir or TFDS_DATA_DIR)'))
+
+
+def _refuse_differences(config, digest: float, why: Callable[[str], str]) -> None:
+  """Raises :class:`DistributedError`, on every process at once, where a
+  process's ``digest`` differs from process 0's: the processes named, then
+  ``why(were)`` (``were``: 'was' or 'were', as many as they are).
+  Collective with several processes, as :func:`_differing_processes`."""
+  differ = _differing_processes(config, digest)
   if differ:
     raise DistributedError(
-        f'{name_processes(differ)} found another data set than process 0 (this process: '
-        f'{description}): give every host the same data (data.name, data.data_dir or '
-        f'TFDS_DATA_DIR)')
+        f'{name_processes(differ)} {why("were" if len(differ) > 1 else "was")}')
 
 
 SHARED_MARK = '.shared.process_{}'  # a process's mark in a folder every process must share
