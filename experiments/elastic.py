@@ -936,7 +936,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     return ckpt.path(meta['step'])
 
   trained = False
-  failure: list[BaseException] = []  # what ended the run, said first if putting back fails
+  failure: BaseException | None = None  # what ended the run, said first if putting back fails
   try:
     latest = ckpt.latest_meta() if ckpt is not None and config.resume else None
     if latest is not None:  # refuse before building anything
@@ -1009,11 +1009,11 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     trained = True
   except LossNotFinite as e:
     last = ckpt.latest() if ckpt is not None else None
-    failure.append(TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
-                                    f'{last or "none (checkpoints disabled or none saved yet)"}'))
-    raise failure[0] from e
+    failure = TrainingDiverged(f'{e}; stopped. Last good checkpoint: '
+                               f'{last or "none (checkpoints disabled or none saved yet)"}')
+    raise failure from e
   except BaseException as e:
-    failure.append(e)
+    failure = e
     raise
   finally:
     try:
@@ -1026,10 +1026,10 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
         try:
           _recover(workdir)
         except ConfigError as e:
-          if not failure or not isinstance(failure[0], Exception):
+          if not isinstance(failure, Exception):
             raise
           # The cause first (a full disk stops both the save and the move back).
-          raise ConfigError(f'{failure[0]}; then {e}') from failure[0]
+          raise ConfigError(f'{failure}; then {e}') from failure
       elif replacing[0]:  # trained to the end without checkpoints
         _drop_replaced(workdir)
   if isinstance(train_loader, ShardedLoader):
@@ -1241,13 +1241,8 @@ def usage(config, config_file: str, require_workdir: bool = False,
 def _absent_keys(keys: list[str], argv: list[str], config_file: str) -> list[str]:
   """Those of ``keys`` (dotted) that the configuration does not have: the
   ``--config`` file's, else ``config_file``'s (empty when it cannot be read)."""
-  for i, arg in enumerate(argv[1:], 1):
-    if arg.startswith('--config='):
-      config_file = arg.split('=', 1)[1]
-    elif arg == '--config' and i + 1 < len(argv):
-      config_file = argv[i + 1]
   try:
-    config = _load_config_file(config_file)
+    config = _load_config_file(_config_file_argument(argv)[0] or config_file)
   except Exception:  # noqa: BLE001 - then no key is named
     return []
   absent = []
