@@ -63,7 +63,10 @@ def check_own(workdir: str) -> None:
   """Refuses a ``workdir/checkpoints`` holding a folder that orbax would take
   for a step (an integer name) but that is no pipejax checkpoint (non-empty,
   with neither of :data:`ITEMS` nor orbax's own files): resuming would set it
-  aside as damaged and keeping the newest checkpoints would delete it.
+  aside as damaged and keeping the newest checkpoints would delete it. Another
+  program's orbax checkpoint holds orbax's files but neither of :data:`ITEMS`:
+  refused too (only a step of ours left with nothing but orbax's files is
+  accepted, as damaged).
 
   Raises:
     CheckpointError: naming the first such folder.
@@ -81,7 +84,7 @@ def check_own(workdir: str) -> None:
       items = sorted(os.listdir(path))
     except OSError:
       continue
-    if items and not set(ITEMS + _ORBAX_FILES) & set(items):
+    if items and not set(ITEMS) & set(items) and not set(items) <= set(_ORBAX_FILES):
       shown = ', '.join(items[:4]) + (', ...' if len(items) > 4 else '')
       raise CheckpointError(f'{path} is not a pipejax checkpoint (it holds {shown}, not '
                             f'{" and ".join(ITEMS)}): move it out of {directory}, or use '
@@ -242,7 +245,19 @@ class Checkpoints:
     except (OSError, ValueError, RuntimeError) as e:
       raise self._write_error(step, e) from e
 
+  def _reload(self) -> None:
+    """Re-reads the finished steps from the folder after a failed save: orbax
+    drops those beyond ``keep`` from its list when a save starts and deletes
+    them once it succeeds, so after a failure its list can miss the very
+    checkpoint that stayed intact (and never delete it later). A local
+    listing, no collective."""
+    try:
+      self.manager.reload()
+    except (OSError, ValueError):
+      pass  # the list as it was: the message may then miss a step, nothing more
+
   def _write_error(self, step: int, error: Exception) -> CheckpointError:
+    self._reload()
     steps = [s for s in self.manager.all_steps() if s != step]
     previous = self.path(max(steps)) if steps else 'none'
     return CheckpointError(f'writing the checkpoint of step {step} failed ({error}); the '
@@ -254,7 +269,7 @@ class Checkpoints:
     try:
       self.manager.wait_until_finished()
     except (OSError, ValueError, RuntimeError):
-      pass  # a failed pending save: the newest finished one is still the answer
+      self._reload()  # a failed pending save: the newest finished one is still the answer
     step = self.manager.latest_step()
     return None if step is None else self.path(step)
 
@@ -438,6 +453,7 @@ class Checkpoints:
       try:
         self.manager.wait_until_finished()
       except (OSError, ValueError, RuntimeError) as e:
+        self._reload()
         step = self.manager.latest_step()
         raise CheckpointError(f'writing a checkpoint failed ({e}); the newest intact one is '
                               f'{self.path(step) if step is not None else "none"}') from e

@@ -179,6 +179,33 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
   np.testing.assert_array_equal(state['params']['w'], np.full((4, 3), 1.0))
 
 
+@pytest.mark.parametrize('wait', [True, False])
+def test_with_one_checkpoint_kept_a_failed_save_names_the_one_still_intact(tmp_path, monkeypatch,
+                                                                          wait):
+  """With ``keep=1`` orbax drops checkpoint 1 from its list when the save of
+  2 starts (it deletes it once 2 is written): a failed save of 2 said that
+  no checkpoint was intact, and ``latest()`` (a divergence's "last good
+  checkpoint") answered None, while 1 was on disk. A later good save
+  replaces 1, as keep=1 asks."""
+  ckpt = checkpoints.Checkpoints(str(tmp_path), keep=1)
+  ckpt.save(1, _tiny_state(1.0), {'n': 1}, wait=True)
+
+  async def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(ocp.type_handlers.NumpyHandler, '_open_and_write', full_disk)
+  with pytest.raises(checkpoints.CheckpointError) as e:
+    ckpt.save(2, _tiny_state(2.0), {'n': 2}, wait=wait)
+    ckpt.close()  # the asynchronous save's error
+  assert str(e.value).endswith(f'the previous checkpoint is intact: {ckpt.path(1)}'), e.value
+  assert ckpt.latest() == ckpt.path(1)
+  monkeypatch.undo()
+  ckpt = checkpoints.Checkpoints(str(tmp_path), keep=1) if not wait else ckpt
+  ckpt.save(3, _tiny_state(3.0), {'n': 3}, wait=True)
+  ckpt.close()
+  assert [n for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()] == ['3']
+
+
 def test_a_state_is_written_packed_and_restores_exactly(tmp_path):
   """In one process a state is written as one flat array per dtype (orbax's
   cost is per array: the default run's 78 small arrays took 4x the CPU of one)
@@ -396,7 +423,9 @@ def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_remove
   for name in ('1.corrupt', '3.orbax-checkpoint-tmp-1700000000', '9',
                '200/default', 'backup/2'):
     os.makedirs(os.path.join(folder, name))
-  for name in ('200/default/array.bin', 'notes.txt', '42'):
+  # Another program's orbax checkpoint: orbax's files, not pipejax's items.
+  for name in ('200/default/array.bin', '200/_CHECKPOINT_METADATA', '200/commit_success.txt',
+               'notes.txt', '42'):
     with open(os.path.join(folder, name), 'w') as f:
       f.write('mine')
   # A step of ours that orbax was deleting when killed: only its own file left.
@@ -409,8 +438,9 @@ def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_remove
     return sorted(os.path.relpath(os.path.join(root, n), workdir)
                   for root, dirs, files in os.walk(workdir) for n in dirs + files)
   before = tree()
-  message = (rf'^{re.escape(folder)}/200 is not a pipejax checkpoint \(it holds default, not meta '
-             rf'and state\): move it out of {re.escape(folder)}, or use another --workdir$')
+  message = (rf'^{re.escape(folder)}/200 is not a pipejax checkpoint \(it holds '
+             rf'_CHECKPOINT_METADATA, commit_success.txt, default, not meta and state\): move '
+             rf'it out of {re.escape(folder)}, or use another --workdir$')
   for attempt in (lambda: checkpoints.Checkpoints(workdir), lambda: checkpoints.clear(workdir),
                   lambda: elastic._start_over(workdir)):
     with pytest.raises(checkpoints.CheckpointError, match=message):
