@@ -815,8 +815,9 @@ class Trainer:
     transition_seconds = 0.0
     first_step_seconds = None
     last_step = self.config.train.epochs * self.steps_per_epoch
-    # one host sync per epoch
-    first_step = int(self.state['step']) - start_step if every else 0
+    # The run's step before this epoch's first batch (one host sync per epoch):
+    # what freeze timesteps count and a non-finite loss names.
+    first_step = int(self.state['step']) - start_step
     self.prefix.prefetch(loader.batch_ids(epoch, start_step), self.plan, self.state['frozen'])
     progress.update(start_step)
     for sample_ids, batch in loader.epoch(epoch, start_step):

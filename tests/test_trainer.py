@@ -618,6 +618,24 @@ def test_a_nan_loss_stops_the_epoch_at_the_next_tenth_step():
   assert int(trainer.state['step']) == 10
 
 
+def test_a_nan_loss_in_a_later_epoch_names_the_run_s_step():
+  """The step a NaN loss names is the run's (as checkpoints and the other
+  checks name them), not the batch within the epoch: weights poisoned after
+  epoch 0 stop epoch 1 at its tenth step."""
+  created = fixtures.tiny('vit', num_layers=4)
+  trainer, _ = _trainer(_config(policy='none'),
+                        data=dict(fixtures.batch('vit', created.model, 192, seed=4)))
+  steps = trainer.train_loader.steps_per_epoch()
+  assert steps == 12
+  trainer.train_epoch(0, _Bar())
+  trainer.state = {**trainer.state,
+                   'active': jax.tree.map(lambda x: x * np.nan, trainer.state['active'])}
+  with pytest.raises(trainer_lib.LossNotFinite,
+                     match=rf'^the training loss is nan at step {steps + 10} \(epoch 1\)'):
+    trainer.train_epoch(1, _Bar())
+  assert int(trainer.state['step']) == steps + 10
+
+
 @pytest.mark.parametrize('every_steps', [1, 0])
 def test_a_non_finite_gradient_with_a_finite_loss_is_never_checkpointed(monkeypatch,
                                                                         every_steps):
