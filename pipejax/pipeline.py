@@ -493,7 +493,13 @@ class Pipeline:
       make = schedule_lib.forward_only if forward else functools.partial(
           schedule_lib.make, plan.schedule)
       sched = make(plan.pipeline_length, plan.micro_batches)
-      schedule_lib.validate(sched)
+      if sched.num_stages != plan.pipeline_length:  # a registered generator of one's own
+        raise schedule_lib.ScheduleError(
+            f'schedule {plan.schedule!r} made a table of {sched.num_stages} stages for a '
+            f'pipeline of length {plan.pipeline_length}')
+      # Every micro-batch of the plan, each once: a table that leaves one out
+      # would train on part of the batch without a word.
+      schedule_lib.validate(sched, plan.micro_batches)
       specs = stage_param_specs(stage_params)
       body = _stage_body(self.model, plan, sched, train, self.fill, self.traces, self.exchange)
       out_specs = (P(), P()) if forward else (P(), P(), specs)

@@ -180,6 +180,25 @@ def test_backwards_of_their_own_micro_batches_without_fused_cells(monkeypatch, k
   _assert_equals_sequential('vit', k, sizes, 3, 'gpipe-fifo')
 
 
+@pytest.mark.parametrize('name,make,message', [
+    ('short', lambda k, m: schedule_lib.gpipe(k, m - 1), 'micro-batch 3 never runs on stage 0'),
+    ('narrow', lambda k, m: schedule_lib.gpipe(1, m),
+     "schedule 'narrow' made a table of 1 stages for a pipeline of length 2")])
+def test_a_registered_schedule_that_does_not_fit_the_plan_is_refused(monkeypatch, name, make,
+                                                                     message):
+  """A schedule of one's own (``SCHEDULES`` is open to registration) that
+  leaves out a micro-batch, or is made for another pipeline length, is
+  refused when the step is built; it ran, on part of the batch, without a
+  word."""
+  monkeypatch.setitem(schedule_lib.SCHEDULES, name, make)
+  created = fixtures.tiny('vit', num_layers=4)
+  partition = part.even(4, 2)
+  pipe = pipeline.Pipeline(created.model, devices=jax.devices()[:2])
+  stage_params = part.to_stage_params(created.params, partition)
+  with pytest.raises(schedule_lib.ScheduleError, match=re.escape(message)):
+    pipe.grad_fn(pipeline.Plan(partition, 1, 4, name), stage_params, train=False)
+
+
 def test_padded_slots_are_skipped_and_get_exactly_zero_grad():
   kind, sizes = 'vit', (1, 4, 1, 4)  # slots: stage 1 holds 3 block halves-pairs, stage 2 one
   created, partition = _case(kind, 4, sizes)
