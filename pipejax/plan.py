@@ -12,7 +12,9 @@ parameter count; ``pipeline_length`` is after compression
 ``--model`` preset: a run of a custom model, such as the embedded default's,
 is never read) on as many devices (and ``--batch-size``, when given)
 profiled and remembered in the file ``--profile`` (its
-``pipeline.profile_path``), else the smallest candidate (K);
+``pipeline.profile_path``), else the smallest candidate training would
+try (K; with ``--batch-size``, the global batch, the smallest M that splits
+each replica's share, never more micro-batches than samples);
 ``micro_batches_source`` says which. Memory is
 estimated per device for float32 training with AdamW, per stage:
 ``stage_layout_bytes``, the trainable state a device holds (as many block
@@ -41,11 +43,13 @@ def _unit_name(unit: int, num_layers: int) -> str:
 
 
 def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
-              batch_size: int | None, k: int) -> tuple[int, str]:
+              batch_size: int | None, k: int, default: int) -> tuple[int, str]:
   """M for K from a training run's profile (``pipeline.profile_path``) of
-  this model on this many devices, and where it came from; K without one."""
+  this model on this many devices, and where it came from; ``default`` (the
+  smallest candidate) without one."""
+  smallest = 'K' if default == k else 'the smallest M that splits the batch per replica'
   if not profile:
-    return k, 'default (K; profiling happens at training time)'
+    return default, f'default ({smallest}; profiling happens at training time)'
   from pipejax import autopipe  # noqa: PLC0415
   profile = os.path.expanduser(profile)
   described = autopipe.described_runs(profile)
@@ -57,7 +61,7 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
   chosen = {choices[k] for _, choices in runs}
   if not chosen:
     why = _nearest(matching, differences)
-    return k, (f'default (K; {profile} holds no described choice for K={k} of {model_name} '
+    return default, (f'default ({smallest}; {profile} holds no described choice for K={k} of {model_name} '
                f'on {devices} devices{batch}: {why})')
   if len(chosen) > 1:
     values = {f: sorted({str(about.get(f)) for about, _ in runs})
@@ -130,8 +134,15 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
   partition = stage_plan.partition
   k = partition.pipeline_length
   replicas = devices // k
+  default = k
+  if batch_size is not None:  # train.batch_size, the global batch (batch_mode=constant)
+    if batch_size % replicas:
+      raise ValueError(f'--batch-size {batch_size} does not split over the {replicas} replicas '
+                       f'of this plan (K={k} on {devices} devices)')
+    default = autopipe.micro_batch_candidates(k, batch_size // replicas)[0]
   micro, source = _profiled(profile, model_name, dict(
-      overrides, model_type=created.model.hf_config.model_type), devices, batch_size, k)
+      overrides, model_type=created.model.hf_config.model_type), devices, batch_size, k,
+      default)
   unit_costs = costs.costs
   slots = partition.tables.num_slots
   attn, mlp = unit_costs[1], unit_costs[2]

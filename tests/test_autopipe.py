@@ -451,6 +451,18 @@ def test_plan_cli_vit_b16(capsys):
       plan_lib.build_plan('vit-b16', 8, 0, lambda_frozen=value)
   with pytest.raises(ValueError, match='--batch-size must be >= 1, got -4'):
     plan_lib.build_plan('vit-b16', 8, 0, batch_size=-4)
+  # Without a profile, M is the smallest that training would try for the
+  # batch: never more micro-batches than each replica's samples.
+  for devices, frozen, batch, k, m in ((8, 0, 64, 8, 8), (8, 0, 4, 8, 4), (8, 0, 12, 8, 12),
+                                       (8, 11, 24, 2, 2), (8, 11, 4, 2, 1)):
+    plan = plan_lib.build_plan('vit-b16', devices, frozen, batch_size=batch)
+    assert (plan['pipeline_length'], plan['micro_batches']) == (k, m), (batch, plan)
+    assert (batch // plan['replicas']) % m == 0
+    assert plan['micro_batches_source'].startswith('default (K;' if m == k else
+                                                   'default (the smallest M that splits')
+  with pytest.raises(ValueError, match=r'^--batch-size 6 does not split over the 4 replicas of '
+                                       r'this plan \(K=2 on 8 devices\)$'):
+    plan_lib.build_plan('vit-b16', 8, 11, batch_size=6)
   for value in (-0.1, float('nan'), 1.5):
     with pytest.raises(ValueError, match=r'--split-mlp-min-gain must be in \[0, 1\]'):
       plan_lib.build_plan('vit-b16', 8, 0, split_mlp_min_gain=value)
