@@ -273,6 +273,33 @@ class ActivationCache:
     self._settle()
     return np.nonzero(self._passes > self._reached)[0]
 
+  def counters(self) -> dict[str, Any]:
+    """What :meth:`restore_counters` takes back (a checkpoint's): the
+    cumulative ``counts`` and ``seconds`` of :meth:`stats`, and per sample
+    the depth it was carried to (``reached``) and its frozen-block
+    ``passes``."""
+    self._settle()
+    with self._lock:
+      return {'counts': dict(self._counts), 'seconds': dict(self._seconds),
+              'reached': self._reached.copy(), 'passes': self._passes.copy()}
+
+  def restore_counters(self, counts: dict, seconds: dict, reached: np.ndarray | None = None,
+                       passes: np.ndarray | None = None) -> None:
+    """Continues the counters of :meth:`counters` (a resumed run's metrics
+    rows go on from the checkpoint's; a sample refilled after the resume
+    repeats the passes it had). Missing keys stay as they are."""
+    self._settle()
+    with self._lock:
+      self._counts.update({k: int(counts[k]) for k in self._counts if k in counts})
+      self._seconds.update({k: float(seconds[k]) for k in self._seconds if k in seconds})
+      for name, values in (('reached', reached), ('passes', passes)):
+        if values is not None:
+          values = np.asarray(values)
+          if values.shape != (self.num_samples,):
+            raise ValueError(f'{name} has shape {values.shape}, the cache has '
+                             f'{self.num_samples} samples')
+          getattr(self, f'_{name}')[:] = values
+
   def stats(self) -> dict[str, float]:
     """Counters for the metrics row: hits / misses / advanced (samples),
     uncached (computed but beyond both budgets), corrupt, evicted, prefetched,

@@ -355,6 +355,21 @@ def gather_exact(values) -> np.ndarray:
   return np.frombuffer(gathered.tobytes(), np.float64).reshape(count, len(values))
 
 
+def gather_max(values) -> np.ndarray:
+  """The elementwise maximum over the processes of the integers ``values
+  [n]`` (each in [0, 2**31)), as int64; one process: ``values``. Collective
+  with several processes, like :func:`gather_exact`."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  values = np.asarray(values, np.int64).reshape(-1)
+  if jax.process_count() == 1:
+    return values
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  gathered = multihost_utils.process_allgather(values.astype(np.int32))
+  return np.asarray(gathered).reshape(jax.process_count(), len(values)).max(axis=0).astype(
+      np.int64)
+
+
 def is_main_process() -> bool:
   """Whether this process writes the run's files (metrics, summary, plots)."""
   import jax  # noqa: PLC0415

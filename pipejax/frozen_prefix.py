@@ -34,12 +34,14 @@ timing is the slowest process's) and the counters in the metrics (summed).
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import time
+import zlib
 from typing import Any, Callable
 
 import jax
@@ -503,23 +505,41 @@ class FrozenPrefix:
   def checkpoint_meta(self) -> dict:
     """The cache's metadata for a checkpoint: whether it serves the current
     depth, its decisions so far and its counters (not its entries; with
-    several processes their sums, see :meth:`stats`)."""
-    return {'use_cache': self.use_cache, 'batch_size': self._batch_size,
+    several processes their sums, see :meth:`stats`), with each sample's
+    depth reached and frozen-block passes (``samples``, packed). A
+    collective with several processes, like :meth:`stats`."""
+    meta = {'use_cache': self.use_cache, 'batch_size': self._batch_size,
             'depth': None if self.cache is None else self.cache.depth,
             'decisions': [dataclasses.asdict(d) for d in self.decisions],
             'stats': self.stats()}
+    if self.cache is not None:
+      counters = self.cache.counters()
+      # A process counts only its own samples (disjoint): the maximum over
+      # the processes is each sample's value.
+      meta['samples'] = {name: _pack(distributed.gather_max(counters[name]))
+                         for name in ('reached', 'passes')}
+    return meta
 
   def restore(self, meta: dict, batch_size: int) -> None:
     """Takes the decisions of :meth:`checkpoint_meta` (no re-profiling) and
     starts the cache empty at the saved depth: entries are only a speed-up,
     and a cached activation equals the computed one, so they are rebuilt as
-    batches come."""
+    batches come. The counters go on from the checkpoint's (with several
+    processes, process 0 carries the saved sums); refilling the cache
+    counts as repeated frozen-block passes, which it is."""
     self.decisions = [autocache_policy.CachingDecision(**d) for d in meta['decisions']]
     self._batch_size = batch_size
     self.use_cache = bool(meta['use_cache']) and self.cache is not None
     if self.cache is not None:
       self.cache.advance(max(meta['depth'] or 0, self.cache.depth))
       self.cache.clear()
+      saved = {k[len('cache_'):]: v for k, v in meta.get('stats', {}).items()}
+      if not distributed.is_main_process():
+        saved = {}  # the sums are process 0's to carry
+      samples = meta.get('samples')  # absent in checkpoints of pipejax before 2026-11-30
+      self.cache.restore_counters(
+          saved, saved, *((_unpack(samples[name]) for name in ('reached', 'passes'))
+                          if samples else ()))
 
   def stats(self) -> dict:
     """Cache counters for the metrics row (empty without a cache). With
@@ -543,6 +563,15 @@ class FrozenPrefix:
       return {}
     return {**{f'cache_{k}': v for k, v in self.cache.stats().items()},
             'cached_ids': self.cache.cached_ids().tolist()}
+
+
+def _pack(values: np.ndarray) -> str:
+  """Small non-negative integers ``[n]`` as compact JSON-safe text."""
+  return base64.b64encode(zlib.compress(np.asarray(values, '<i8').tobytes())).decode('ascii')
+
+
+def _unpack(text: str) -> np.ndarray:
+  return np.frombuffer(zlib.decompress(base64.b64decode(text)), '<i8').astype(np.int64)
 
 
 def combine_decision_inputs(everyone: np.ndarray) -> tuple[float, float, float, bool, float]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from experiments import datasets, elastic, vit_imagenet
-from pipejax import checkpoints, distributed
+from pipejax import checkpoints, distributed, frozen_prefix
 from pipejax.data import ArraySource, ShardedLoader, host_subset
 from pipejax.pipeline import PlanError
 from tests import fixtures
@@ -348,7 +348,9 @@ def test_two_processes_with_autocache_match_one_process(tmp_path, monkeypatch):
   from pipejax.trainer import Trainer  # noqa: PLC0415
   from tests.test_cache_training import _check_fed_as_computed, _record_feeds  # noqa: PLC0415
   workdir = str(tmp_path / 'job')
-  results = _finish(_launch(workdir, CACHED), timeout=480)
+  # Checkpoints on for the job: they carry each sample's counters, the max of
+  # the processes' (each counts only its own samples).
+  results = _finish(_launch(workdir, {**CACHED, 'checkpoint.enabled': True}), timeout=480)
   # References, one process x 8 devices over the same 2 shards: cache on and off.
   init, recorded = Trainer.__init__, []
 
@@ -419,6 +421,13 @@ def test_two_processes_with_autocache_match_one_process(tmp_path, monkeypatch):
   assert not set(sides[0]['cache']['cached_ids']) & set(sides[1]['cache']['cached_ids'])
   for k in COUNTERS:
     assert sides[0]['cache'][f'cache_{k}'] + sides[1]['cache'][f'cache_{k}'] == total[k]
+  # The last checkpoint's per-sample counters: both processes' samples, as
+  # the one process counted them.
+  meta, _ = checkpoints.Checkpoints(workdir).latest_meta()
+  assert meta['step'] == rows[-1]['step']
+  saved = {k: frozen_prefix._unpack(meta['cache']['samples'][k]) for k in ('passes', 'reached')}
+  np.testing.assert_array_equal(saved['passes'], trainer.prefix.cache.layer_passes_per_sample())
+  assert saved['passes'].sum() == total['layer_passes'] and saved['reached'].max() == 3
 
 
 @JOBS
@@ -933,7 +942,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from experiments import vit_imagenet
-from pipejax import checkpoints, distributed
+from pipejax import checkpoints, distributed, frozen_prefix
 port, index, workdir, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 config = vit_imagenet.get_config()
 config.distributed.update(coordinator=f'localhost:{port}', num_processes=2, process_id=index)
