@@ -857,10 +857,23 @@ def test_measure_io_reports_both_tiers(tmp_path):
   disk = make_cache(tmp_path, memory_bytes=0, disk_bytes=1 << 20)
   mine = tmp_path / 'cache' / 'probe.bin'  # a file of the user's: never touched
   mine.write_text('mine')
+  both = make_cache(tmp_path / 'both', memory_bytes=1 << 20, disk_bytes=1 << 20)
   before = sorted(os.listdir(tmp_path / 'cache'))
-  for cache in (memory, disk):
+  timed = []  # (cache, payload) of each disk round trip
+
+  def spy(cache):
+    real = cache._disk.measure
+    def measure(payload):
+      timed.append((cache, payload.copy()))
+      return real(payload)
+    cache._disk.measure = measure
+  spy(disk), spy(both)
+  for cache in (memory, both, disk):
     write, read = cache.measure_io(hidden)
     assert write > 0 and read > 0
+  # Only the cache whose new entries go to disk times the disk, with this batch.
+  assert [c for c, _ in timed] == [disk]
+  np.testing.assert_array_equal(timed[0][1], hidden.astype(disk.dtype))
   assert sorted(os.listdir(tmp_path / 'cache')) == before  # its scratch file removed
   assert mine.read_text() == 'mine'
   assert disk.stats()['disk_entries'] == 0

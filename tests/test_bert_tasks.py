@@ -118,6 +118,18 @@ def test_glue_metrics_hand_computed():
   mse = text_eval.GlueEvaluator.regression_metrics(np.array([1., 2., 3., 4.]),
                                                    np.array([1., 4., 2., 4.]))['eval_mse']
   assert mse == pytest.approx(1.25)
+  # STS-B through the evaluator: the one logit of each predicted ID (in the
+  # order predicted, not the ID order) against that ID's gold score.
+  # Pearson: cov 3.5 / sqrt(5 * 6.75); Spearman on ranks [1, 2, 3, 4] against
+  # the tied ranks [1, 3.5, 2, 3.5]: 3 / sqrt(5 * 4.5).
+  gold = np.array([4., 9., 1., 4., 2.])  # by ID; ID 1 is never predicted
+  ids, scores = np.array([2, 0, 4, 3]), np.array([[1.], [2.], [3.], [4.]])
+  evaluator = text_eval.GlueEvaluator('stsb', gold)
+  evaluator.predict = lambda trainer, params: (ids, scores)
+  pearson, spearman = 3.5 / np.sqrt(5 * 6.75), 3 / np.sqrt(5 * 4.5)
+  assert evaluator(None, None) == pytest.approx({
+      'eval_pearson': pearson, 'eval_spearmanr': spearman,
+      'eval_accuracy': (pearson + spearman) / 2, 'eval_mse': (0 + 4 + 1 + 0) / 4})
 
 
 def test_squad_scores_average_over_the_questions_predicted():
