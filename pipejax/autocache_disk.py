@@ -159,9 +159,15 @@ class DiskTier:
               f'{dtype}); use a fresh directory (--config.cache.directory) or '
               f'--config.cache.on_mismatch=clear')
         log(f'autocache: clearing {directory}: it held another run\'s activations ({what})')
-      for name in (ENTRIES, MANIFEST):
-        if os.path.exists(os.path.join(directory, name)):
-          os.remove(os.path.join(directory, name))
+      try:
+        for name in (ENTRIES, MANIFEST):
+          if os.path.lexists(os.path.join(directory, name)):
+            os.remove(os.path.join(directory, name))
+      except OSError as e:  # a directory in their place, no permission
+        self.close()
+        raise CacheMismatchError(f'cannot clear the cache directory {directory}: '
+                                 f'{e.strerror or e} ({e.filename}); remove it, or give this '
+                                 f'run another --config.cache.directory') from e
     created = not os.path.exists(self.path)
     try:
       self.open()

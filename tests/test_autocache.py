@@ -489,6 +489,25 @@ def test_a_cache_directory_another_run_uses_is_refused_and_left_alone(tmp_path):
   assert claim not in autocache_disk._CLAIMS  # noqa: SLF001
 
 
+def test_a_cache_directory_that_cannot_be_cleared_is_refused_in_one_line(tmp_path):
+  """With ``on_mismatch='clear'`` an ``entries.bin`` that is a directory (or
+  cannot be removed) gave a bare IsADirectoryError and kept the directory's
+  claim until the process ended: now one line, the claim given back, and the
+  user's files in that directory untouched."""
+  directory = tmp_path / 'cache'
+  (directory / autocache_disk.ENTRIES / 'mine').mkdir(parents=True)
+  (directory / autocache_disk.ENTRIES / 'mine' / 'notes.txt').write_text('mine')
+  claim = os.path.realpath(directory / autocache_disk.LOCK)
+  with pytest.raises(CacheMismatchError, match=(
+      rf'^cannot clear the cache directory {directory}: Is a directory '
+      rf'\({directory / autocache_disk.ENTRIES}\); remove it, or give this run another '
+      rf'--config.cache.directory$')):
+    make_cache(tmp_path, num_samples=8, memory_bytes=0, disk_bytes=1 << 20,
+               on_mismatch='clear', reuse=False)
+  assert claim not in autocache_disk._CLAIMS  # noqa: SLF001
+  assert (directory / autocache_disk.ENTRIES / 'mine' / 'notes.txt').read_text() == 'mine'
+
+
 def test_a_cache_directory_that_is_the_run_s_own_workdir_is_not_taken_for_another_run(tmp_path):
   """``cache.directory`` set to the run's workdir, whose lock the run holds
   itself: the disk tier claims a lock of its own name, so it is neither
