@@ -117,7 +117,8 @@ def test_loss_and_grads_equal_sequential(kind, k, schedule, sizes):
   # Grads come back in the layout and sharding of the parameters.
   for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(stage_params), strict=True):
     assert g.shape == p.shape
-  assert grads['attention'][next(iter(grads['attention']))]  # non-empty tree
+  # Not a match of two zero trees: every block's attention has a gradient.
+  assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grads['attention']))
   assert pipe.trace_count == 1
 
 
