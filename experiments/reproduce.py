@@ -47,7 +47,9 @@ allows: per sample, a trained block costs 4 units (forward, recomputed
 forward, backward; 3 in ``plain_dp``, which does not recompute), a frozen
 block 1 (its forward), a frozen block served by the cache 0 (the cache's own
 layer passes are counted); the baseline trains all blocks. ``efficiency`` =
-measured speed-up / that limit. Beside each time: the process's CPU seconds
+measured speed-up / that limit (the speed-up per sample: the same as end to
+end unless ``train.batch_mode=per_pipeline`` made a run train more samples,
+``samples_trained``). Beside each time: the process's CPU seconds
 (all its threads, from start to exit) and context switches (``getrusage``),
 which show where a run's time is not its arithmetic (``docs/results.md``).
 """
@@ -216,21 +218,30 @@ def flop_limit_speedup(summary: dict, rows: list[dict], cache_free: bool = False
 
 
 def describe_run(result: dict, reference: dict | None) -> dict:
-  """One table row: time, accuracy, throughput, limits, and where the time went."""
+  """One table row: time, accuracy, throughput, limits, and where the time went.
+
+  ``speedup`` is end to end (the reference's total time over this run's);
+  ``efficiency`` divides the speed-up per sample by the FLOP limit, which is
+  per sample: the two differ where the runs trained different numbers of
+  samples (``train.batch_mode=per_pipeline``, whose batch grows with R)."""
   s, rows = result['summary'], result['rows']
   total = s['total_seconds']
   limit = flop_limit_speedup(s, rows)
+  samples = sum(samples_trained(s, rows))
   speedup = reference['summary']['total_seconds'] / total if reference else None
   epochs = sum(r['epoch_seconds'] for r in rows)
   train_speedup = (sum(r['epoch_seconds'] for r in reference['rows']) / epochs
                    if reference else None)
+  # This run's samples per sample of the reference's (1 for the same schedule of batches).
+  more = samples / sum(samples_trained(reference['summary'], reference['rows'])) \
+      if reference else None
   return {
       'total_seconds': total, 'final_eval_accuracy': s['final_eval_accuracy'],
-      'samples_per_second': sum(samples_trained(s, rows)) / total,
+      'samples_trained': samples, 'samples_per_second': samples / total,
       'flop_limit_speedup': limit, 'speedup': speedup,
-      'efficiency': speedup / limit if speedup else None,
+      'efficiency': speedup * more / limit if speedup else None,
       'train_speedup': train_speedup,
-      'train_efficiency': train_speedup / limit if train_speedup else None,
+      'train_efficiency': train_speedup * more / limit if train_speedup else None,
       # Where the time went (seconds).
       'epochs_seconds': epochs,
       'transition_seconds': sum(r['transition_seconds'] for r in rows),

@@ -107,6 +107,30 @@ def test_describe_run_speedups_and_where_time_went():
   assert r['transition_seconds'] == pytest.approx(1.0)
   assert (r['process_cpu_seconds'], r['process_context_switches']) == (17.5, 4000)
   assert reproduce.describe_run(run, None)['speedup'] is None
+  assert r['samples_trained'] == 160
+
+
+def test_efficiency_is_per_sample_where_a_run_trains_more_samples():
+  """``per_pipeline`` grows the batch with R, and ``max_steps_per_epoch``
+  caps steps: ``full`` at R = 2 trains twice the baseline's samples in its
+  second epoch. A run whose time is exactly its FLOP work (4 blocks, 8
+  samples a step, 10 steps an epoch; F = 2 in epoch 1 at R = 2) is at its
+  limit: efficiency 1, though its end-to-end speed-up is below 1."""
+  def result(summary, rows):
+    return {'summary': summary, 'rows': rows, 'process_seconds': 0.0,
+            'process_cpu_seconds': 0.0, 'process_context_switches': 0}
+  base_work = 2 * 80 * 16            # 160 samples, 4 blocks x 4 units each
+  full_work = 80 * 16 + 160 * (4 * 2 + 2)  # then 160 samples: 2 trained, 2 forward only
+  base = result(_summary(mode='per_pipeline', total=base_work, train=base_work),
+                [_row(0, 0, 10, seconds=1280), _row(1, 0, 20, seconds=1280)])
+  full = result(_summary(mode='per_pipeline', total=full_work, train=full_work),
+                [_row(0, 0, 10, seconds=1280), _row(1, 2, 20, replicas=2, seconds=1600)])
+  r = reproduce.describe_run(full, base)
+  assert r['samples_trained'] == 240
+  assert r['speedup'] == pytest.approx(base_work / full_work)
+  assert r['flop_limit_speedup'] == pytest.approx(16 / (full_work / 240))  # per sample
+  assert r['efficiency'] == pytest.approx(1.0)
+  assert r['train_efficiency'] == pytest.approx(1.0)
 
 
 def test_a_run_s_cpu_time_and_switches_are_its_process_s_all_threads():
