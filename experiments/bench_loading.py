@@ -92,18 +92,20 @@ def main(argv=None) -> int:
              for name, workers in variants}
   batches = [np.arange(start, min(start + args.batch, args.images))
              for start in range(0, args.images, args.batch)]
-  best, last = {}, {}
+  best, same = {}, True
   for _ in range(args.rounds):
+    served = {}
     for variant in variants:
       start = time.perf_counter()
-      for ids in batches:
-        batch = sources[variant][ids]
+      served[variant] = [sources[variant][ids] for ids in batches]
       seconds = time.perf_counter() - start
       best[variant] = min(best.get(variant, seconds), seconds)
-      last[variant] = batch
-  # The threads must serve what one thread serves, bit for bit.
-  same = all(np.array_equal(last[(name, workers)][key], last[(name, 1)][key])
-             for name, workers in variants for key in last[(name, 1)])
+    # The threads must serve what one thread serves, bit for bit: every batch.
+    same = same and all(
+        np.array_equal(got[key], want[key])
+        for name, workers in variants
+        for got, want in zip(served[(name, workers)], served[(name, 1)], strict=True)
+        for key in want)
   rows = [{'preparation': name, 'workers': workers,
            'images_per_second': args.images / best[(name, workers)],
            'speedup': best[(name, 1)] / best[(name, workers)]} for name, workers in variants]

@@ -58,6 +58,27 @@ def test_bench_loading_measures_each_preparation_with_one_and_all_workers(tmp_pa
     assert r['speedup'] == pytest.approx(alone / speed)
 
 
+def test_bench_loading_compares_every_batch_the_threads_serve(tmp_path, monkeypatch, capsys):
+  """Threads that scramble a batch's rows fail the benchmark (exit 1), even
+  where the last batch, one image read on the calling thread, is right:
+  only that batch was compared."""
+  from experiments import bench_loading  # noqa: PLC0415
+  from pipejax import data  # noqa: PLC0415
+  served = data.TfdsSource.__getitem__
+
+  def scrambled(self, ids):
+    out = served(self, ids)
+    return {k: v[::-1] for k, v in out.items()} if self.workers > 1 and len(ids) > 1 else out
+
+  monkeypatch.setattr(data.TfdsSource, '__getitem__', scrambled)
+  monkeypatch.setattr(bench_loading, 'default_workers', lambda: 2)
+  assert bench_loading.main([f'--workdir={tmp_path}', '--images=5', '--batch=4',
+                             '--rounds=1']) == 1
+  assert json.loads((tmp_path / 'bench_loading.json').read_text())['same_batches'] is False
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      'error: the worker threads served other batches than one thread')
+
+
 def test_bench_pipeline_measures_each_plan_that_fits(tmp_path):
   out = _run('bench_pipeline', f'--workdir={tmp_path}', '--layers=2', '--hidden=32',
              '--image-size=8', '--patch-size=4', '--batch=8', '--lengths=1,2,3,8',
