@@ -181,7 +181,9 @@ def import_tfds(name: str):
 
 def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
   """``tfds.data_source`` of a prepared data set; :class:`DatasetMissing`
-  (one line, with the command that prepares it) when it is not prepared."""
+  (one line, with the command that prepares it) when it is not prepared.
+  ``~`` in ``data_dir`` is the user's home, as on the command line."""
+  data_dir = os.path.expanduser(data_dir) if data_dir else None
   try:
     with runtime.absl_errors_only():  # TFDS warns about each folder it probes
       return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -140,6 +141,19 @@ def test_a_missing_tensorflow_datasets_is_one_data_set_error(tmp_path, monkeypat
     assert str(e.value).startswith(f'{name} needs tensorflow-datasets, which is not installed')
     assert str(e.value).endswith('pip install -r requirements.txt')
     assert '\n' not in str(e.value)
+
+
+def test_a_tfds_data_dir_with_a_tilde_is_the_user_s_home(monkeypatch, tmp_path):
+  """Called as a library (the command line expands paths itself), a
+  ``data_dir`` of ``~/...`` reaches TFDS as the home's folder, as
+  :func:`datasets.imagenet_missing` reads it; none stays none."""
+  monkeypatch.setenv('HOME', str(tmp_path))
+  asked = []
+  tfds = types.SimpleNamespace(data_source=lambda name, split, data_dir, download: asked.append(
+      data_dir))
+  for data_dir in ('~/tfds', '', None):
+    datasets.tfds_data_source(tfds, 'imagenet2012', 'train', data_dir)
+  assert asked == [str(tmp_path / 'tfds'), None, None]
 
 
 def test_imagenet_path_on_mock_tfds(tmp_path):
