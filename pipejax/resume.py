@@ -186,7 +186,8 @@ class StopOnSignal:
       raise SecondSignal(f'second signal ({name})')
     self.requested, self._first = True, (signum, now)
     self.log(f'{name}: finishing the current step, saving a checkpoint, then exiting with code '
-             f'{EXIT_INTERRUPTED} (a second signal aborts at once)')
+             f'{EXIT_INTERRUPTED} (another signal aborts at once; until this step has '
+             f'ended it takes two: the first may be this one delivered twice)')
 
   def __enter__(self) -> 'StopOnSignal':
     if threading.current_thread() is threading.main_thread():
