@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +74,13 @@ class Plan:
   def num_devices(self) -> int:
     return self.replicas * self.pipeline_length
 
-  def describe(self) -> str:
+  def describe(self, profiling: Sequence[int] = ()) -> str:
+    """One line; ``profiling``: the candidate M that steps will still time
+    (shown in place of this plan's M, the first of them)."""
     split = (f' split_mlp={list(self.partition.split_mlp)}' if self.partition.split_mlp
              else '')
-    return (f'K={self.pipeline_length} R={self.replicas} M={self.micro_batches} '
+    m = f'profiled among {list(profiling)}' if len(profiling) > 1 else self.micro_batches
+    return (f'K={self.pipeline_length} R={self.replicas} M={m} '
             f'{self.schedule} stages={list(self.partition.stage_sizes)}{split} '
             f'frozen={self.partition.num_frozen_layers}')
 

@@ -1158,12 +1158,14 @@ class Trainer:
     new = self.plan
     cache_s = self.prefix.change_depth(new, self.state['frozen'], sample_batch,
                                         self.batch_size(new), self._epochs_left())
+    # Several plans: the steps time each M in turn (the choice is logged then).
+    described = new.describe([p.micro_batches for p in plans])
     self.transitions.append(Transition(epoch, int(self.state['step']), decision.result,
-                                       old.describe(), new.describe(), reshard, compile_s,
+                                       old.describe(), described, reshard, compile_s,
                                        ahead_used, cache_s, time.perf_counter() - start,
                                        cache=self.prefix.use_cache))
     self._first_step_pending = True
-    self.log(f'  transition: {old.describe()} -> {new.describe()} (reshard {reshard:.2f}s, '
+    self.log(f'  transition: {old.describe()} -> {described} (reshard {reshard:.2f}s, '
              f'cache {cache_s:.2f}s, compile {compile_s:.1f}s{" waited, compiled ahead" if ahead_used else ""})')
     return time.perf_counter() - start
 

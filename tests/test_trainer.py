@@ -597,6 +597,26 @@ def test_a_fixed_micro_batch_count_survives_transitions_whatever_the_profile_rem
   assert trainer._candidate_plans(trainer.plan.partition) == [trainer.plan]
 
 
+def test_a_transition_to_a_pipeline_length_still_to_profile_names_its_candidates():
+  """With no M remembered for the new K, the steps after the transition time
+  each candidate in turn: the transition's line and record list them, not
+  the first candidate as if it were the M chosen."""
+  config = _config(alpha=0.5, initial_length=4, micro_batches=0)
+  trainer, _ = _trainer(config)
+  lines = []
+  trainer.log = lines.append
+  trainer.train_epoch(0, _Bar())
+  trainer.maybe_transition(0, next(iter(trainer.train_loader.epoch(0)))[1])
+  [transition] = trainer.transitions
+  candidates = trainer.micro_batch_candidates(trainer.plan)
+  assert (trainer.plan.pipeline_length, trainer.plan.replicas, candidates) == (4, 2, [4, 8])
+  assert transition.new.startswith('K=4 R=2 M=profiled among [4, 8] 1f1b ')
+  assert sum(f'-> {transition.new} (' in line for line in lines) == 1
+  # A remembered M (or a fixed one) is the plan's M.
+  assert trainer.plan.describe([4]) == trainer.plan.describe()
+  assert trainer.plan.describe().startswith(f'K=4 R=2 M={trainer.plan.micro_batches} 1f1b ')
+
+
 def test_an_infinite_or_nan_loss_stops_training():
   for bad in (float('inf'), float('-inf'), float('nan')):
     with pytest.raises(trainer_lib.LossNotFinite, match=f'the training loss is {bad} at step 7'):
