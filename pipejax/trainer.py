@@ -342,6 +342,7 @@ class Trainer:
     self._ahead = None
     self._trials: dict[int, dict] = {}
     self._announced: set[int] = set()
+    self._refitted: set[tuple[int, int]] = set()  # (R, M) whose refit M was said
     self._portable: dict[tuple, Any] = {}
     self._portable_compiled: dict[tuple, Any] = {}
     self.transitions: list[Transition] = []
@@ -373,8 +374,10 @@ class Trainer:
     if not initial and (self.batch_size(plan) % replicas == 0) and per_replica % m:
       # A fixed M that no longer divides the replica's batch after R grew.
       fitting = autopipe.largest_divisor(per_replica, m)
-      self.log(f'  micro-batches: M={m} does not divide the {per_replica} samples per '
-               f'replica at R={replicas}; using M={fitting}')
+      if (replicas, m) not in self._refitted:  # once (compiled ahead, then moved to)
+        self._refitted.add((replicas, m))
+        self.log(f'  micro-batches: M={m} does not divide the {per_replica} samples per '
+                 f'replica at R={replicas}; using M={fitting}')
       plan = dataclasses.replace(plan, micro_batches=fitting)
     pipeline.check_batch(self.batch_size(plan), plan)
     return plan

@@ -617,8 +617,8 @@ def test_a_transition_to_a_pipeline_length_still_to_profile_names_its_candidates
   # A remembered M (or a fixed one) is the plan's M.
   assert trainer.plan.describe([4]) == trainer.plan.describe()
   assert trainer.plan.describe().startswith(f'K=4 R=2 M={trainer.plan.micro_batches} 1f1b ')
-  # Profiling K = 4 was under way on the old plan (R = 1, M among [4, 8, 16]):
-  # it starts over on the new one, whose steps alone choose M.
+  # Profiling K = 4 was under way on the old plan (F = 0): it starts over on
+  # the new one (F = 2), whose steps alone choose M.
   assert (f'  micro-batches for K=4: profiling starts over on the new plan ({timed_before} timed '
           f'steps of the old one dropped)') in lines
   timed = []
@@ -629,6 +629,26 @@ def test_a_transition_to_a_pipeline_length_still_to_profile_names_its_candidates
   assert [p.micro_batches for p in timed] == [4, 8] * trainer_lib.PROFILE_ROUNDS
   assert {p.partition for p in timed} == {trainer.plan.partition}
   assert trainer.profile.get(4) in (4, 8)
+
+
+def test_a_fixed_m_refitted_to_a_larger_r_is_said_once():
+  """A fixed M that no longer divides a replica's batch once R grows is
+  refitted where the plan is made: compiled ahead, then moved to, it was
+  said twice."""
+  config = _config(alpha=0.75, initial_length=4, micro_batches=8)  # K = 4, R = 2, then 2, 4
+  with config.unlocked():
+    config.freeze.compile_ahead = True
+  trainer, _ = _trainer(config)
+  lines = []
+  trainer.log = lines.append
+  sample = next(iter(trainer.train_loader.epoch(0)))[1]
+  trainer.train_epoch(0, _Bar())
+  trainer.prepare_next(sample)
+  trainer.maybe_transition(0, sample)
+  assert trainer.transitions[0].compiled_ahead
+  assert (trainer.plan.replicas, trainer.plan.micro_batches) == (4, 4)
+  assert [line for line in lines if 'does not divide' in line] == [
+      '  micro-batches: M=8 does not divide the 4 samples per replica at R=4; using M=4']
 
 
 def test_an_infinite_or_nan_loss_stops_training():
