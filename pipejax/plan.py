@@ -13,8 +13,9 @@ parameter count; ``pipeline_length`` is after compression
 is never read) on as many devices (and ``--batch-size``, when given)
 profiled and remembered in the file ``--profile`` (its
 ``pipeline.profile_path``), else the smallest candidate training would
-try (K; with ``--batch-size``, the global batch, the smallest M that splits
-each replica's share, never more micro-batches than samples);
+try (K; with ``--batch-size``, the smallest M that splits each replica's
+share of that batch, never more micro-batches than samples; the batch is
+the global one, or with ``--batch-mode per_pipeline`` a pipeline's);
 ``micro_batches_source`` says which. Memory is
 estimated per device for float32 training with AdamW, per stage:
 ``stage_layout_bytes``, the trainable state a device holds (as many block
@@ -30,8 +31,12 @@ import argparse
 import json
 import os
 import sys
+from typing import Callable
 
 from pipejax import runtime
+
+#: ``train.batch_mode``'s values (see :func:`pipejax.autodp.global_batch_size`).
+BATCH_MODES = ('constant', 'per_pipeline')
 
 
 def _unit_name(unit: int, num_layers: int) -> str:
@@ -43,13 +48,17 @@ def _unit_name(unit: int, num_layers: int) -> str:
 
 
 def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
-              batch_size: int | None, k: int, default: int) -> tuple[int, str]:
+              batch_size: int | None, k: int, default: Callable[[], int]) -> tuple[int, str]:
   """M for K from a training run's profile (``pipeline.profile_path``) of
-  this model on this many devices, and where it came from; ``default`` (the
-  smallest candidate) without one."""
-  smallest = 'K' if default == k else 'the smallest M that splits the batch per replica'
+  this model on this many devices, and where it came from; ``default()``
+  (the smallest candidate) without one."""
+  def fallback(why: str) -> tuple[int, str]:
+    m = default()
+    smallest = 'K' if m == k else 'the smallest M that splits the batch per replica'
+    return m, f'default ({smallest}; {why})'
+
   if not profile:
-    return default, f'default ({smallest}; profiling happens at training time)'
+    return fallback('profiling happens at training time')
   from pipejax import autopipe  # noqa: PLC0415
   profile = os.path.expanduser(profile)
   described = autopipe.described_runs(profile)
@@ -61,8 +70,8 @@ def _profiled(profile: str | None, model_name: str, model: dict, devices: int,
   chosen = {choices[k] for _, choices in runs}
   if not chosen:
     why = _nearest(matching, differences)
-    return default, (f'default ({smallest}; {profile} holds no described choice for K={k} of {model_name} '
-               f'on {devices} devices{batch}: {why})')
+    return fallback(f'{profile} holds no described choice for K={k} of {model_name} on '
+                    f'{devices} devices{batch}: {why}')
   if len(chosen) > 1:
     values = {f: sorted({str(about.get(f)) for about, _ in runs})
               for f in ('batch', 'batch_mode', 'platform', 'schedule', 'exchange')}
@@ -91,10 +100,11 @@ def _nearest(matching: list, differences: list[list[str]]) -> str:
 
 def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_frozen: float = 1 / 6,
                initial_pipeline_length: int | None = None, batch_size: int | None = None,
-               profile: str | None = None, split_mlp_min_gain: float | None = None) -> dict:
+               batch_mode: str = 'constant', profile: str | None = None,
+               split_mlp_min_gain: float | None = None) -> dict:
   """The plan of ``model_name`` (a key of :data:`models.PRESETS`) as a dict."""
   import models  # noqa: PLC0415
-  from pipejax import autopipe  # noqa: PLC0415
+  from pipejax import autodp, autopipe  # noqa: PLC0415
 
   if model_name not in models.PRESETS:
     raise ValueError(f'unknown model {model_name!r}; expected one of {sorted(models.PRESETS)}')
@@ -110,6 +120,8 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
     raise ValueError(f'--lambda-frozen must be in [0, 1], got {lambda_frozen}')
   if batch_size is not None and batch_size < 1:
     raise ValueError(f'--batch-size must be >= 1, got {batch_size}')
+  if batch_mode not in BATCH_MODES:
+    raise ValueError(f'--batch-mode must be one of {list(BATCH_MODES)}, got {batch_mode!r}')
   if initial_pipeline_length is not None and initial_pipeline_length < 1:
     raise ValueError(f'--initial-pipeline-length must be >= 1, got {initial_pipeline_length}')
   if split_mlp_min_gain is None:
@@ -134,12 +146,16 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
   partition = stage_plan.partition
   k = partition.pipeline_length
   replicas = devices // k
-  default = k
-  if batch_size is not None:  # train.batch_size, the global batch (batch_mode=constant)
-    if batch_size % replicas:
+
+  def default() -> int:  # the smallest M training would try for train.batch_size
+    if batch_size is None:
+      return k
+    if batch_mode == 'constant' and batch_size % replicas:
       raise ValueError(f'--batch-size {batch_size} does not split over the {replicas} replicas '
-                       f'of this plan (K={k} on {devices} devices)')
-    default = autopipe.micro_batch_candidates(k, batch_size // replicas)[0]
+                       f'of this plan (K={k} on {devices} devices; with batch_mode '
+                       f'constant it is the global batch)')
+    per_replica = autodp.global_batch_size(batch_size, replicas, batch_mode) // replicas
+    return autopipe.micro_batch_candidates(k, per_replica)[0]
   micro, source = _profiled(profile, model_name, dict(
       overrides, model_type=created.model.hf_config.model_type), devices, batch_size, k,
       default)
@@ -188,7 +204,11 @@ def main(argv=None) -> int:
   p.add_argument('--lambda-frozen', type=float, default=1 / 6)
   p.add_argument('--initial-pipeline-length', type=int, default=None)
   p.add_argument('--batch-size', type=int, default=None,
-                 help="the profiled run's train.batch_size (with --profile)")
+                 help="the run's train.batch_size: picks a profiled run (with --profile), and "
+                      'else the smallest M that splits it')
+  p.add_argument('--batch-mode', default='constant', choices=BATCH_MODES,
+                 help="the run's train.batch_mode: constant (--batch-size is the global batch) "
+                      'or per_pipeline (a pipeline\'s)')
   p.add_argument('--split-mlp-min-gain', type=float, default=None,
                  help='split an MLP between stages when that lowers the largest stage by at '
                       "least this fraction (1: never; training's pipeline.split_mlp_min_gain)")
@@ -200,7 +220,8 @@ def main(argv=None) -> int:
     plan = build_plan(args.model, args.devices, args.frozen_layers,
                       lambda_frozen=args.lambda_frozen,
                       initial_pipeline_length=args.initial_pipeline_length,
-                      batch_size=args.batch_size, profile=args.profile,
+                      batch_size=args.batch_size, batch_mode=args.batch_mode,
+                      profile=args.profile,
                       split_mlp_min_gain=args.split_mlp_min_gain)
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)

@@ -461,8 +461,16 @@ def test_plan_cli_vit_b16(capsys):
     assert plan['micro_batches_source'].startswith('default (K;' if m == k else
                                                    'default (the smallest M that splits')
   with pytest.raises(ValueError, match=r'^--batch-size 6 does not split over the 4 replicas of '
-                                       r'this plan \(K=2 on 8 devices\)$'):
+                                       r'this plan \(K=2 on 8 devices; with batch_mode '
+                                       r'constant it is the global batch\)$'):
     plan_lib.build_plan('vit-b16', 8, 11, batch_size=6)
+  # per_pipeline: the batch is each pipeline's, whatever R is.
+  for frozen, batch, m in ((11, 6, 2), (11, 3, 3), (0, 4, 4)):
+    plan = plan_lib.build_plan('vit-b16', 8, frozen, batch_size=batch, batch_mode='per_pipeline')
+    assert plan['micro_batches'] == m, (frozen, batch, plan)
+  with pytest.raises(ValueError, match=r"--batch-mode must be one of \['constant', "
+                                       r"'per_pipeline'\], got 'global'"):
+    plan_lib.build_plan('vit-b16', 8, 0, batch_size=8, batch_mode='global')
   for value in (-0.1, float('nan'), 1.5):
     with pytest.raises(ValueError, match=r'--split-mlp-min-gain must be in \[0, 1\]'):
       plan_lib.build_plan('vit-b16', 8, 0, split_mlp_min_gain=value)
@@ -554,6 +562,12 @@ def test_the_plan_reads_the_micro_batch_choice_that_a_training_run_profiled(tmp_
           in out.stderr)
   assert json.loads(_plan_cli('--profile', path, '--batch-size', '128').stdout)[
       'micro_batches'] == 24
+  # A per_pipeline run's batch (6 a pipeline at K = 2, R = 4) need not split
+  # over the replicas: its remembered M is read, not refused.
+  remember(vit_b16, 'vit, per pipeline', 8, 6, 2, 6)
+  from pipejax import plan as plan_lib  # noqa: PLC0415
+  assert plan_lib.build_plan('vit-b16', 8, 0, initial_pipeline_length=2, batch_size=6,
+                             profile=path)['micro_batches'] == 6
   with open(path, 'w') as f:
     f.write('{corrupt')
   out = _plan_cli('--profile', path)
