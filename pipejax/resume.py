@@ -187,7 +187,7 @@ class StopOnSignal:
     self.requested, self._first = True, (signum, now)
     self.log(f'{name}: finishing the current step, saving a checkpoint, then exiting with code '
              f'{EXIT_INTERRUPTED} (another signal aborts at once; until this step has '
-             f'ended it takes two: the first may be this one delivered twice)')
+             f'ended, one more {name} may be this one delivered twice, so it takes two)')
 
   def __enter__(self) -> 'StopOnSignal':
     if threading.current_thread() is threading.main_thread():

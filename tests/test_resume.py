@@ -1159,8 +1159,8 @@ def test_first_signal_asks_to_stop_second_aborts():
     os.kill(os.getpid(), signal.SIGTERM)
     assert stop() and messages == [
         'SIGTERM: finishing the current step, saving a checkpoint, then exiting with code 75 '
-        '(another signal aborts at once; until this step has ended it takes two: the first '
-        'may be this one delivered twice)']
+        '(another signal aborts at once; until this step has ended, one more SIGTERM may be '
+        'this one delivered twice, so it takes two)']
     with pytest.raises(KeyboardInterrupt):
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(1)  # the handler runs between bytecodes; never reached
