@@ -6,7 +6,10 @@ directory or HF cache entry.
 """
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -96,7 +99,7 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
   """
   hf_class = _hf_class(kind)
   if pretrained is not None:
-    hf = _from_pretrained(hf_class, pretrained, num_labels, seed)
+    hf = _from_pretrained(hf_class, pretrained, num_labels, seed, log)
     hf_config, hf_params = hf.config, hf.params
   else:
     if hf_config is None:
@@ -143,11 +146,76 @@ def has_flax_weights(path: str) -> bool | None:
     return None
 
 
-def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: int = 0):
+#: Weights a checkpoint may lack, freshly initialised from the seed: the task
+#: heads (a classifier of another size or none, a new QA head) and the
+#: pooler (absent from masked-LM checkpoints), as HF initialises them.
+NEW_WEIGHTS = ('classifier', 'qa_outputs', 'pooler')
+
+
+class _LoadReport(logging.Handler):
+  """Collects the warnings of HF's Flax loader (with the run's verbosity at
+  ``error`` they would not be shown): they alone say which weights the
+  checkpoint did not provide and HF initialised at random."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages: list[str] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _loader_warnings():
+  """The warnings ``transformers.modeling_flax_utils`` gives inside the
+  block, taken instead of printed."""
+  logger = logging.getLogger('transformers.modeling_flax_utils')
+  report = _LoadReport()
+  level, propagate = logger.level, logger.propagate
+  logger.setLevel(logging.WARNING)
+  logger.propagate = False
+  logger.addHandler(report)
+  try:
+    yield report.messages
+  finally:
+    logger.removeHandler(report)
+    logger.setLevel(level)
+    logger.propagate = propagate
+
+
+def initialised_at_random(messages: list[str]) -> list[tuple[str, ...]]:
+  """The weights that HF's loader said it initialised at random (missing
+  from the checkpoint, or of another shape there), as key paths; raises
+  ValueError where it said so in words this cannot read."""
+  keys = []
+  for message in messages:
+    if 'newly initialized' not in message:
+      continue
+    first = message.splitlines()[0]
+    if first.endswith('because the shapes did not match:'):
+      found = [line[2:].split(': found shape')[0] for line in message.splitlines()[1:]
+               if line.startswith('- ') and ': found shape' in line]
+    else:
+      found = [first.split('are newly initialized: ', 1)[-1]]
+    try:
+      for text in found:
+        value = ast.literal_eval(text)
+        keys.extend(value if isinstance(value, (set, list)) else [value])
+    except (ValueError, SyntaxError):
+      raise ValueError(f'transformers initialised weights at random: {first}') from None
+    if not found:
+      raise ValueError(f'transformers initialised weights at random: {first}')
+  return sorted({tuple(str(part) for part in key) for key in keys})
+
+
+def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: int = 0,
+                     log=print):
   """``hf_class.from_pretrained(path)``: Flax weights where the directory or
   the cached hub entry has them, else PyTorch/safetensors ones converted
   (``from_pt``); a name the cache does not know tries Flax weights first. A
-  new head is initialised from ``seed``."""
+  new head (see :data:`NEW_WEIGHTS`) is initialised from ``seed`` (said in one
+  line); any other weight the checkpoint lacks or holds in another shape is
+  refused (HF would initialise it at random with a warning)."""
   flax = has_flax_weights(path)
   extra = {} if num_labels is None else {'num_labels': num_labels,
                                          'ignore_mismatched_sizes': True}
@@ -156,18 +224,33 @@ def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: i
     found = hf_class.config_class.get_config_dict(path)[0].get('model_type')
     if found not in (None, want):  # HF would only warn, then fail on the first batch
       raise ValueError(f'it holds a {found!r} model, not a {want!r} one')
-    if flax is None:
-      try:
-        return hf_class.from_pretrained(path, seed=seed, **extra)
-      except OSError:  # no Flax weights there: the PyTorch ones, or HF's own error for them
-        pass
-    return hf_class.from_pretrained(path, from_pt=not flax, seed=seed, **extra)
+    with _loader_warnings() as messages:
+      hf = None
+      if flax is None:
+        try:
+          hf = hf_class.from_pretrained(path, seed=seed, **extra)
+        except OSError:  # no Flax weights there: the PyTorch ones, or HF's own error for them
+          messages.clear()
+      if hf is None:
+        hf = hf_class.from_pretrained(path, from_pt=not flax, seed=seed, **extra)
+    fresh = initialised_at_random(messages)
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - transformers, safetensors, msgpack, a missing torch
     text = str(e).strip()
     detail = text.splitlines()[0] if text else type(e).__name__
     raise ValueError(f'cannot load pretrained model from {path!r}: {detail}') from e
+  lacking = ['/'.join(key) for key in fresh if not set(key) & set(NEW_WEIGHTS)]
+  if lacking:
+    raise ValueError(
+        f'cannot load pretrained model from {path!r}: its weights do not fit a '
+        f'{hf_class.__name__} of its config: {len(lacking)} would be random ('
+        f'{", ".join(lacking[:3])}{", ..." if len(lacking) > 3 else ""})')
+  if fresh:
+    parts = sorted({next(p for p in key if p in NEW_WEIGHTS) for key in fresh})
+    log(f'pretrained {path}: {" and ".join(parts)} initialised from seed {seed} (not in the '
+        f'checkpoint, or of another size)')
+  return hf
 
 
 __all__ = ['Created', 'KINDS', 'LayeredModel', 'PRESETS', 'build', 'config_for', 'create',

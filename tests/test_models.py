@@ -1,5 +1,7 @@
 """The layered view of each HF model equals the HF model itself."""
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -241,6 +243,56 @@ def test_pretrained_minilm_matches_flax_bert_model():
                                 reference.params['embeddings']['word_embeddings']['embedding'])
   assert os.path.exists(os.path.join(path, 'model.safetensors'))
   assert jnp.all(jnp.isfinite(hidden))
+  # Independently of HF's loader: a deep block's weights are the file's.
+  from safetensors.numpy import load_file  # noqa: PLC0415
+  weights = load_file(os.path.join(path, 'model.safetensors'))
+  np.testing.assert_array_equal(created.params['attention']['self']['query']['kernel'][5],
+                                weights['encoder.layer.5.attention.self.query.weight'].T)
+  np.testing.assert_array_equal(created.params['mlp']['output']['dense']['bias'][3],
+                                weights['encoder.layer.3.output.dense.bias'])
+
+
+def test_a_checkpoint_that_lacks_weights_of_the_model_is_refused(tmp_path, capsys):
+  """HF initialises the weights a checkpoint lacks (or holds in another
+  shape) at random, with a warning that the run's verbosity hides: any but a
+  new head's is refused in one line; a new head is said in one."""
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+  source = fixtures.minilm_dir()
+  weights = load_file(os.path.join(source, 'model.safetensors'))
+  broken = tmp_path / 'no-block-3'
+  broken.mkdir()
+  shutil.copy(os.path.join(source, 'config.json'), broken)
+  save_file({k: v for k, v in weights.items() if not k.startswith('encoder.layer.3.')},
+            str(broken / 'model.safetensors'), metadata={'format': 'pt'})
+  with pytest.raises(ValueError, match=re.escape(
+      f"cannot load pretrained model from '{broken}': its weights do not fit a FlaxBertModel "
+      f"of its config: 16 would be random (encoder/layer/3/attention/output/LayerNorm/bias, "
+      f"encoder/layer/3/attention/output/LayerNorm/scale, encoder/layer/3/attention/output/"
+      f"dense/bias, ...)")):
+    models.create('bert-encoder', pretrained=str(broken))
+  # Flax weights whose config says a wider MLP: with a new head HF ignores
+  # mismatched sizes, every MLP weight's too.
+  created = fixtures.tiny('vit')
+  hf = created.hf_class(created.model.hf_config, seed=7)
+  hf.save_pretrained(str(tmp_path / 'vit'))
+  hf.save_pretrained(str(tmp_path / 'wider'))
+  config = json.loads((tmp_path / 'wider' / 'config.json').read_text())
+  config['intermediate_size'] *= 2
+  (tmp_path / 'wider' / 'config.json').write_text(json.dumps(config))
+  wider = 3 * created.model.num_layers  # a block's first dense kernel and bias, second kernel
+  with pytest.raises(ValueError, match=rf"its weights do not fit a FlaxViTForImageClassification "
+                                       rf"of its config: {wider} would be random \(vit/encoder/"
+                                       rf"layer/0/intermediate/dense/bias, "):
+    models.create('vit', pretrained=str(tmp_path / 'wider'), num_labels=3)
+  # A head of another size: a new one, said.
+  assert created.model.hf_config.num_labels != 3
+  capsys.readouterr()
+  models.create('vit', pretrained=str(tmp_path / 'vit'), num_labels=3, seed=2)
+  assert capsys.readouterr().out.splitlines() == [
+      f'pretrained {tmp_path / "vit"}: classifier initialised from seed 2 (not in the '
+      f'checkpoint, or of another size)']
+  models.create('vit', pretrained=str(tmp_path / 'vit'))  # the checkpoint's own head: silent
+  assert capsys.readouterr().out == ''
 
 
 def test_pretrained_vit_from_local_directory(tmp_path):
