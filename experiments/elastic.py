@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import textwrap
@@ -1145,18 +1146,22 @@ _OUT_OF_MEMORY_ADVICE = (
     'smaller train.batch_size needs a new run (another --workdir)')
 
 
-def _how_to_resume(config, stop: TrainingInterrupted) -> str:
+def _how_to_resume(config, stop: TrainingInterrupted, workdir: str | None = None) -> str:
   """What continues an interrupted run: the same command, unless it would
-  start over (``--config.resume=False``) or nothing was saved."""
+  start over (``--config.resume=False``) or nothing was saved; with the
+  run's ``--workdir`` where the command had none (it would start a new run
+  in a new folder)."""
   if stop.checkpoint is None and config.checkpoint.enabled and not config.resume:  # _run's save
     return ('it was a start over (--config.resume=False) stopped before its first checkpoint: '
             'nothing of it was saved, and the outputs of the run it replaced are back')
   if stop.checkpoint is None:
     return 'nothing was saved (checkpoint.enabled=False): the run cannot be resumed'
+  named = '' if workdir else (
+      f' with --workdir {shlex.quote(os.path.dirname(os.path.dirname(stop.checkpoint)))}')
   if not config.resume:
-    return ('run the command again without --config.resume=False to resume (with it, the run '
-            'starts over again, and this checkpoint goes once the new run has one)')
-  return 'run the same command to resume'
+    return (f'run the command again{named} without --config.resume=False to resume (with it, '
+            f'the run starts over again, and this checkpoint goes once the new run has one)')
+  return f'run the same command{named} to resume'
 
 
 def main(config, workdir: str | None, task: str) -> int:
@@ -1168,7 +1173,7 @@ def main(config, workdir: str | None, task: str) -> int:
     try:
       run(config, workdir, task, stop_requested=stop)
     except TrainingInterrupted as e:
-      print(f'interrupted: {e}; {_how_to_resume(config, e)}', file=sys.stderr)
+      print(f'interrupted: {e}; {_how_to_resume(config, e, workdir)}', file=sys.stderr)
       return resume.EXIT_INTERRUPTED
     # The machine's files (a full disk, a removed directory) too: one line. With
     # several processes the others are told (they would wait for this one).

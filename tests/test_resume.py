@@ -822,11 +822,19 @@ def test_the_interrupted_line_says_what_resumes_the_run():
   over stopped before its first checkpoint, or checkpoints off)."""
   config = vit_imagenet.get_config()
   saved = TrainingInterrupted(1, 10, '/w/checkpoints/10')
-  assert elastic._how_to_resume(config, saved) == 'run the same command to resume'
+  assert elastic._how_to_resume(config, saved, '/w') == 'run the same command to resume'
+  # A command without --workdir would start a new run in a new folder: this one's is named.
+  assert elastic._how_to_resume(config, saved) == (
+      'run the same command with --workdir /w to resume')
+  spaced = TrainingInterrupted(1, 10, 'runs/vit 1/checkpoints/10')
+  assert elastic._how_to_resume(config, spaced) == (
+      "run the same command with --workdir 'runs/vit 1' to resume")
   with config.unlocked():
     config.resume = False
-  assert elastic._how_to_resume(config, saved).startswith(
+  assert elastic._how_to_resume(config, saved, '/w').startswith(
       'run the command again without --config.resume=False to resume')
+  assert elastic._how_to_resume(config, saved).startswith(
+      'run the command again with --workdir /w without --config.resume=False to resume')
   assert elastic._how_to_resume(config, TrainingInterrupted(1, 10, None)).startswith(
       'it was a start over (--config.resume=False) stopped before its first checkpoint')
   with config.unlocked():
