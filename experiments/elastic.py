@@ -73,8 +73,13 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f"pipeline.exchange must be 'auto' or one of {pipeline.EXCHANGES}, got "
                       f'{c.pipeline.exchange!r}')
   if c.pipeline.devices < 1 or c.pipeline.devices > num_devices_available:
+    fits = [k for k in range(1, num_devices_available + 1) if num_devices_available % k == 0]
+    also = ('' if c.pipeline.initial_length in fits else
+            f'; on all of them, pipeline.initial_length={c.pipeline.initial_length} must become '
+            f'one of {fits} too')
     raise ConfigError(f'pipeline.devices={c.pipeline.devices} must be in [1, '
-                      f'{num_devices_available}]: {num_devices_available} devices are available')
+                      f'{num_devices_available}]: {num_devices_available} devices are '
+                      f'available{also}')
   n = c.pipeline.devices
   if c.pipeline.initial_length < 1 or n % c.pipeline.initial_length:
     ok = [k for k in range(1, n + 1) if n % k == 0]

@@ -764,6 +764,15 @@ def test_check_config_refuses_each_bad_value(overrides, message):
   elastic.check_config(vit_imagenet.get_config(), 8)  # the default passes
 
 
+def test_too_few_devices_name_the_pipeline_length_that_must_change_too():
+  """The default (8 devices, K = 8) on a machine with 4: both keys change."""
+  with pytest.raises(elastic.ConfigError) as err:
+    elastic.check_config(vit_imagenet.get_config(), 4)
+  assert str(err.value) == (
+      'pipeline.devices=8 must be in [1, 4]: 4 devices are available; on all of them, '
+      'pipeline.initial_length=8 must become one of [1, 2, 4] too')
+
+
 def test_check_config_refuses_a_batch_a_compressed_pipeline_cannot_split():
   """10 devices, K = 5, 5 samples a pipeline: K = 5 splits them, but the K = 2
   that compression can reach gives 5 replicas x 5 = 25 samples over 10
