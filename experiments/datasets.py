@@ -190,8 +190,10 @@ def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
   except Exception as e:  # tfds raises several types for "not prepared"
     text = distributed.first_line(str(e), 160)
     detail = f': {text}' if text else ''
+    where = data_dir or (f'$TFDS_DATA_DIR={os.environ["TFDS_DATA_DIR"]}'
+                         if os.environ.get('TFDS_DATA_DIR') else 'the default data dir')
     raise DatasetMissing(
-        f'{name} is not prepared for TFDS in {data_dir or "the default data dir"}, or its '
+        f'{name} is not prepared for TFDS in {where}, or its '
         f'files cannot be read ({type(e).__name__}{detail}); prepare it with: tfds build {name} '
         f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
 

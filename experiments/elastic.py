@@ -188,11 +188,21 @@ def _tokenizer_path(config) -> str:
   return config.model.tokenizer or config.model.pretrained
 
 
+def _check_data_dir(config, why: str = '') -> None:
+  """A local ``data.data_dir`` that is not a directory, refused (TFDS would
+  report a missing file format); a remote one (``gs://``) is TFDS's to read."""
+  data_dir = config.data.data_dir
+  if data_dir and '://' not in data_dir and not os.path.isdir(os.path.expanduser(data_dir)):
+    raise ConfigError(f'data.data_dir={data_dir} is not a directory{why}')
+
+
 def resolve_data(config, task: str = 'vit'):
   """The task's data set (:class:`datasets.Dataset` or
   :class:`text_data.TextDataset`, with its evaluator for text tasks). The
   settings that can be refused without the data are, first."""
   check_settings_without_data(config, task)
+  if task in ('bert_glue', 'bert_squad'):
+    _check_data_dir(config)
   if task == 'bert_glue':
     name, _ = text_data.glue_task(config.data.name)
     data = text_data.glue(config.data.name, _tokenizer_path(config), config.data.max_seq_length,
@@ -226,10 +236,8 @@ def resolve_data(config, task: str = 'vit'):
                         f'fit in memory; use a smaller one') from e
   # 'auto' or 'imagenet2012' (data.name was checked first)
   data_dir = config.data.data_dir
-  if (name == 'auto' and data_dir and '://' not in data_dir
-      and not os.path.isdir(os.path.expanduser(data_dir))):
-    raise ConfigError(f'data.data_dir={data_dir} is not a directory (data.name=auto falls '
-                      f'back to the digits only where ImageNet is absent)')
+  _check_data_dir(config, ' (data.name=auto falls back to the digits only where ImageNet is '
+                  'absent)' if name == 'auto' else '')
   # 'auto' looks for a prepared copy first: without one, TFDS is not even imported.
   # A local copy that looks prepared but cannot be read is an error, never the
   # fallback; on a remote file system only TFDS can tell absent from broken.
@@ -245,7 +253,7 @@ def resolve_data(config, task: str = 'vit'):
         raise
       reason = str(e).split(';')[0]
   _log(f'ImageNet not found ({reason}); running the embedded default: '
-       f'scikit-learn digits with {config.pipeline.devices} devices (the model: below)')
+       f'scikit-learn digits with {config.pipeline.devices} devices')
   return _digits(config)
 
 

@@ -609,13 +609,13 @@ def test_bert_squad_on_mock_tfds(tmp_path):
 @pytest.mark.parametrize('module,args,message', [
     ('bert_glue', ['--config.data.name=glue/nope'], "unknown GLUE task 'glue/nope'"),
     ('bert_glue', ['--config.data.name=glue/stsb'],
-     'glue/stsb is not prepared for TFDS in the default data dir'),  # a known task now
-    ('bert_glue', [], 'glue/sst2 is not prepared for TFDS in the default data dir'),
+     'glue/stsb is not prepared for TFDS in $TFDS_DATA_DIR='),  # a known task now
+    ('bert_glue', [], 'glue/sst2 is not prepared for TFDS in $TFDS_DATA_DIR='),
     ('bert_glue', ['--config.data.data_dir=/nonexistent'],
-     'prepare it with: tfds build glue/sst2 --file_format=array_record --data_dir=/nonexistent'),
+     'error: data.data_dir=/nonexistent is not a directory'),
     ('bert_squad', [], 'prepare it with: tfds build squad/v1.1 --file_format=array_record'),
     ('bert_squad', ['--config.data.data_dir=/nonexistent'],
-     'prepare it with: tfds build squad/v1.1 --file_format=array_record'),
+     'error: data.data_dir=/nonexistent is not a directory'),
     ('bert_squad', ['--config.data.doc_stride=400'], 'data.doc_stride must be in (0, '),
     ('bert_squad', ['--config.data.name=squad/v2.0'], "data.name must be 'squad/v1.1'"),
     ('bert_squad', ['--config.data.n_best_size=0'], 'data.n_best_size must be >= 1, got 0'),

@@ -120,6 +120,12 @@ def test_auto_data_skips_tfds_when_no_imagenet_is_prepared(tmp_path):
     config.data.data_dir = str(tmp_path / 'nowhere')
   with pytest.raises(elastic.ConfigError, match='nowhere is not a directory'):
     elastic.resolve_data(config)
+  with config.unlocked():  # named, not 'auto': the same line, not TFDS's missing file format
+    config.data.name = 'imagenet2012'
+  with pytest.raises(elastic.ConfigError, match=r'^data.data_dir=\S*nowhere is not a directory$'):
+    elastic.resolve_data(config)
+  with config.unlocked():
+    config.data.name = 'auto'
   assert datasets.imagenet_missing('gs://bucket/tfds') is None  # only TFDS can look there
   odd = tmp_path / 'data [1]' / 'imagenet2012' / '5.1.0'  # glob characters in the path
   odd.mkdir(parents=True)
@@ -154,6 +160,28 @@ def test_a_tfds_data_dir_with_a_tilde_is_the_user_s_home(monkeypatch, tmp_path):
   for data_dir in ('~/tfds', '', None):
     datasets.tfds_data_source(tfds, 'imagenet2012', 'train', data_dir)
   assert asked == [str(tmp_path / 'tfds'), None, None]
+
+
+def test_a_data_set_tfds_cannot_read_names_where_it_looked(monkeypatch, tmp_path):
+  """The one line names the folder TFDS read (data_dir, else $TFDS_DATA_DIR,
+  else its default) and the command that prepares the data set there."""
+  def refuse(name, split, data_dir, download):
+    raise FileNotFoundError(f'no {name} in {data_dir}\nmore')
+
+  tfds = types.SimpleNamespace(data_source=refuse)
+  monkeypatch.delenv('TFDS_DATA_DIR', raising=False)
+  for data_dir, where in ((str(tmp_path), str(tmp_path)), ('', 'the default data dir')):
+    with pytest.raises(datasets.DatasetMissing) as err:
+      datasets.tfds_data_source(tfds, 'imagenet2012', 'train', data_dir)
+    assert str(err.value) == (
+        f'imagenet2012 is not prepared for TFDS in {where}, or its files cannot be read '
+        f'(FileNotFoundError: no imagenet2012 in {data_dir or None}); prepare it with: tfds '
+        f'build imagenet2012 --file_format=array_record'
+        f'{" --data_dir=" + data_dir if data_dir else ""}')
+  monkeypatch.setenv('TFDS_DATA_DIR', str(tmp_path / 'tfds'))
+  with pytest.raises(datasets.DatasetMissing, match=re.escape(
+      f'imagenet2012 is not prepared for TFDS in $TFDS_DATA_DIR={tmp_path / "tfds"}, or')):
+    datasets.tfds_data_source(tfds, 'imagenet2012', 'train', '')
 
 
 def test_imagenet_path_on_mock_tfds(tmp_path):
