@@ -1418,8 +1418,10 @@ def _user_config_file(given: str, config_file: str):
     raise ConfigError(f'cannot load the --config file: {e}') from e
   except Exception as e:  # noqa: BLE001 - whatever the file's code raises
     detail = distributed.first_line(str(e), 200)
+    hint = ('; a copy of an entry point\'s get_config() needs its imports too'
+            if isinstance(e, NameError) else '')
     raise ConfigError(f'cannot load the --config file {given}: {type(e).__name__}'
-                      + (f': {detail}' if detail else '')) from e
+                      + (f': {detail}' if detail else '') + hint) from e
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f'get_config() of the --config file {given} returned a '
                       f'{type(config).__name__}, not an ml_collections.ConfigDict')

@@ -886,6 +886,11 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
   assert refused('broken.py', 'def get_config():\n  return 1 / 0\n') == (
       f"error: cannot load the --config file {tmp_path / 'broken.py'}: ZeroDivisionError: "
       f"division by zero\n")
+  # get_config() copied alone, without the module's imports.
+  assert refused('alone.py', 'def get_config():\n  return datasets.digits()\n') == (
+      f"error: cannot load the --config file {tmp_path / 'alone.py'}: NameError: name "
+      f"'datasets' is not defined; a copy of an entry point's get_config() needs its imports "
+      f"too\n")
   assert refused('none.py', 'def get_config():\n  return None\n') == (
       f"error: get_config() of the --config file {tmp_path / 'none.py'} returned a NoneType, "
       f"not an ml_collections.ConfigDict\n")
