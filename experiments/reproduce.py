@@ -522,7 +522,7 @@ def microbatches(runner: Runner, workdir: str) -> dict:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
-      description=__doc__.split('\n\n')[0],
+      prog='python -m experiments.reproduce', description=__doc__.split('\n\n')[0],
       epilog='Other arguments (--config FILE or --config=FILE, --config.KEY=VALUE) go to '
              'every run.')
   parser.add_argument('--workdir', required=True, type=os.path.expanduser)

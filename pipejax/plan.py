@@ -35,6 +35,8 @@ from typing import Callable
 
 from pipejax import runtime
 
+#: The names of :data:`models.PRESETS` (for ``--help``, which imports no JAX).
+PRESETS = ('bert-base', 'bert-large', 'vit-b16', 'vit-l16')
 #: ``train.batch_mode``'s values (see :func:`pipejax.autodp.global_batch_size`).
 BATCH_MODES = ('constant', 'per_pipeline')
 
@@ -197,12 +199,18 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description='Print the AutoPipe plan as JSON.')
-  p.add_argument('--model', required=True, help='one of the presets, e.g. vit-b16, bert-base')
-  p.add_argument('--devices', type=int, required=True)
-  p.add_argument('--frozen-layers', type=int, default=0)
-  p.add_argument('--lambda-frozen', type=float, default=1 / 6)
-  p.add_argument('--initial-pipeline-length', type=int, default=None)
+  p = argparse.ArgumentParser(prog='python -m pipejax.plan',
+                              description="Print AutoPipe's plan of a model as JSON, without "
+                                          'running it.')
+  p.add_argument('--model', required=True, help=f'a preset: {", ".join(PRESETS)}')
+  p.add_argument('--devices', type=int, required=True, help='the devices the run has')
+  p.add_argument('--frozen-layers', type=int, default=0,
+                 help='blocks frozen so far, F (default 0)')
+  p.add_argument('--lambda-frozen', type=float, default=1 / 6,
+                 help="the frozen prefix's weight in Eq. 2's memory cost (training's "
+                      'freeze.lambda_frozen; default 1/6)')
+  p.add_argument('--initial-pipeline-length', type=int, default=None,
+                 help='the pipeline length before compression, K0 (default: --devices)')
   p.add_argument('--batch-size', type=int, default=None,
                  help="the run's train.batch_size: picks a profiled run (with --profile), and "
                       'else the smallest M that splits it')

@@ -442,6 +442,7 @@ def test_plan_cli_vit_b16(capsys):
   assert frozen(9)['pipeline_length'] == 4  # 7 active units: K = 8 cannot run
   assert plan_lib.main(['--model', 'vit-x', '--devices', '8']) == 2
   assert "unknown model 'vit-x'" in capsys.readouterr().err
+  assert plan_lib.PRESETS == tuple(sorted(models.PRESETS))  # what --help lists
   with pytest.raises(ValueError, match='--devices must be >= 1, got 0'):
     plan_lib.build_plan('vit-b16', 0, 0)
   with pytest.raises(ValueError, match='--initial-pipeline-length must be >= 1, got 0'):
