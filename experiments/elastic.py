@@ -1304,6 +1304,10 @@ def _command_line_error(error: Exception, argv: list[str], config_file: str) -> 
         parts[len(parts) - 1 - parts[::-1].index(name)] = near.group(1)
         return (f'unknown config key {named[0]!r} (did you mean {".".join(parts)!r}? '
                 f'--help lists the keys)')
+      near = difflib.get_close_matches(
+          named[0], [key for key, _ in config_keys.flat(_load_config_file(config_file))], n=1)
+      if near:
+        return f'unknown config key {named[0]!r} (did you mean {near[0]!r}? --help lists the keys)'
       return f'unknown config key {named[0]!r} (--help lists the keys)'
   return (f'bad command line: {detail} (a config key that does not exist, or a value of the '
           f'wrong type; --help lists the keys)')

@@ -380,6 +380,8 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     (['--config.train.eval_batch_size=12'],
      'train.eval_batch_size=12 must be 0 (4 x the global batch) or a multiple of the 8 devices'),
     (['--config.data.name=imagenet2012', '--config.data.data_dir=/nonexistent'],
+     'data.data_dir=/nonexistent is not a directory'),
+    (['--config.data.name=imagenet2012', '--config.data.data_dir={tmp}'],
      'imagenet2012 is not prepared'),
     (['--config.data.data_dir={tmp}/nowhere'], 'data.data_dir={tmp}/nowhere is not a directory'),
     (['--config.train.no_such_key=1'], "unknown config key 'train.no_such_key'"),
@@ -425,6 +427,9 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
                                         'the 8x8 images of digits; use model.preset=custom'),
     (['--config.train.epochz=3'], "unknown config key 'train.epochz' (did you mean "
                                   "'train.epochs'?"),
+    # Where ml_collections suggests nothing, the nearest of the command's keys.
+    (['--config.freeze.alfa=0.5'], "unknown config key 'freeze.alfa' (did you mean "
+                                   "'freeze.alpha'? --help lists the keys)"),
     (['--config.train.epochs=1', '--config.train.warmup_epochs=2'],
      'train.warmup_epochs=2.0 must be >= 0 and below train.epochs=1'),
     (['--workdir={tmp}/afile/run'], 'cannot use --workdir={tmp}/afile/run: Not a directory'),
