@@ -1008,3 +1008,23 @@ def test_keep_caching_only_after_a_filled_cache_won():
   restored = CachingDecision(**old)
   assert restored.measured_at is None and keep_caching(restored, 6, 1).measured_at == 4
   assert 'F=4: use the cache (per batch' in restored.describe()
+
+
+def test_data_and_decision_edges():
+  """Edges found by mutating the code: a host's share of fewer samples than
+  hosts, a batch the shards cannot split, padding never counted as served,
+  and a tie between caching and recomputing (recompute: caching must win)."""
+  assert [len(host_subset(4, i, 4)) for i in range(4)] == [1, 1, 1, 1]
+  source = ArraySource({'x': np.arange(1)})
+  with pytest.raises(ValueError, match='batch size 9 is not divisible by the 2 data shards'):
+    ShardedLoader(source, 9, shards=2, local_shards=(0,))
+  # One sample over 4 shards: shard 0 holds it, the others only padding.
+  served = []
+  for local in ((0, 1), (2, 3)):
+    loader = ShardedLoader(source, 4, shards=4, local_shards=local, drop_remainder=False)
+    for _ in loader.epoch(0):
+      pass
+    served.append(loader.served)
+  assert served == [{0}, set()]
+  tie = decide_caching(3, 0.1, 0.1, 0.0, epochs_ahead=2)  # 0.2 s either way
+  assert tie.seconds_without == tie.seconds_with and not tie.use_cache

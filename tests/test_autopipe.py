@@ -669,3 +669,35 @@ def test_a_split_mlp_is_taken_when_it_lowers_the_largest_stage_enough():
       assert got == autopipe.partition_for(split_costs, frozen, got.pipeline_length,
                                            1 / 6).partition
   assert autopipe.compress(split_costs, 2, 4, 4, 1 / 6).partition.pipeline_length == 4
+
+
+def test_boundaries_of_compression_balance_and_the_profile():
+  """Each edge the algorithms state, at the edge (found by mutating them)."""
+  # A K equal to the active units fits them one a stage: kept, not halved.
+  costs = _uniform(8)  # F = 6: 2 blocks = 4 sub-layers + head = 5 active units
+  assert autopipe.compress(costs, 6, 5, 5, 1.0, num_devices=5).partition.pipeline_length == 5
+  # Of equal largest stages, the first split found (earlier boundaries)...
+  assert autopipe.balance([1.0, 2.0, 1.0], 2) == (1, 2)
+  # ...and with blocks, another split only where its widest stage is strictly
+  # narrower: (1, 1, 5) touches 3 blocks in its widest stage, as (1, 3, 3) does.
+  assert autopipe.balance([2, 1, 1, 1, 1, 1, 1], 3, 7.0,
+                          blocks=[3, 3, 4, 4, 5, 5, None]) == (1, 3, 3)
+  # A remembered M that is no candidate now is measured again, not used.
+  profile = autopipe.MicroBatchProfile(None, {'model': 'x'})
+  profile.entries['4'] = {'micro_batches': 3, 'seconds': {}}
+  measured = []
+  m, timings = profile.choose(4, [2, 4], lambda m: measured.append(m) or 1.0 / m)
+  assert (m, measured, profile.get(4)) == (4, [2, 4], 4)
+  # A record of M = 0 (a hand-edited file) is no choice.
+  assert autopipe._choices({'4': {'micro_batches': 0, 'seconds': {}}}) == {}  # noqa: SLF001
+
+
+def test_layout_edges_even_split_and_replicas():
+  """``even`` puts the larger stages first; R = N / K refuses a K that does
+  not divide the devices (its own check, before any Plan is made)."""
+  from pipejax import autodp, partition as part  # noqa: PLC0415
+  from pipejax.pipeline import PlanError  # noqa: PLC0415
+  assert part.even(4, 4).stage_sizes == (3, 3, 2, 2)  # 10 units
+  assert autodp.replicas_for(8, 4) == 2 and autodp.replicas_for(8, 3, autodp=False) == 1
+  with pytest.raises(PlanError, match='pipeline length 3 does not divide the 8 devices'):
+    autodp.replicas_for(8, 3)

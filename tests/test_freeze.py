@@ -111,3 +111,14 @@ def test_eq1_needs_one_norm_per_block():
   with pytest.raises(ValueError, match='expected 4 layer norms, got 3'):
     policy.decide(np.ones(3))
   assert policy.state.num_frozen_layers == 0 and policy.state.timestep == 0  # nothing decided
+
+
+def test_the_bound_and_the_settings_at_their_edges():
+  """α·L that floating point puts a hair below an integer still freezes that
+  many (0.58 · 50 = 28.999999999999996 → 29); every block may be kept
+  trainable (min_active_layers = L: nothing ever freezes), not more."""
+  assert freeze.FreezePolicy('schedule', 50, 0.58).decide(None).result == 29
+  keep_all = freeze.FreezePolicy('schedule', 12, 0.5, min_active_layers=12)
+  assert keep_all.decide(None).result == 0
+  with pytest.raises(freeze.FreezeConfigError, match=r'min_active_layers must be in \[1, 12\]'):
+    freeze.FreezePolicy('schedule', 12, 0.5, min_active_layers=13)

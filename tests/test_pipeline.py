@@ -215,6 +215,10 @@ def test_padded_slots_are_skipped_and_get_exactly_zero_grad():
   unused_a = ~t.has_attention
   unused_m = ~t.has_mlp
   assert unused_a.any() and unused_m.any()
+  # The layout leaves unused slots zero (the poison below then overrides them).
+  for stack, unused in ((stage_params['attention'], unused_a), (stage_params['mlp'], unused_m)):
+    for leaf in jax.tree.leaves(stack):
+      assert not np.asarray(leaf)[unused].any()
 
   def poison(stack, unused):
     mask = unused.reshape(unused.shape + (1,) * (stack.ndim - 2))
