@@ -1159,14 +1159,6 @@ class Trainer:
     reshard = time.perf_counter() - t0
     self.plan = plans[0]
     new = self.plan
-    trial = self._trials.get(new.pipeline_length)
-    if len(plans) > 1 and trial is not None and trial['queue']:
-      # Profiling M for this K was under way on the old plan (a freeze that
-      # kept K): its timings do not compare with the new plan's steps.
-      del self._trials[new.pipeline_length]
-      self.log(f'  micro-batches for K={new.pipeline_length}: profiling starts over on the new '
-               f'plan ({sum(map(len, trial["timings"].values()))} timed steps of the old one '
-               f'dropped)')
     cache_s = self.prefix.change_depth(new, self.state['frozen'], sample_batch,
                                         self.batch_size(new), self._epochs_left())
     # Several plans: the steps time each M in turn (the choice is logged then).
