@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import logging
+import types
 from typing import Any
 
 import jax
@@ -208,6 +210,25 @@ def initialised_at_random(messages: list[str]) -> list[tuple[str, ...]]:
   return sorted({tuple(str(part) for part in key) for key in keys})
 
 
+def _new_head(hf_class, hf, num_labels: int, seed: int):
+  """``(config, params)`` of ``hf`` with ``num_labels`` outputs, and the keys
+  whose weights are new: those of the new config's model that ``hf`` lacks
+  or holds in another shape, taken from its initialisation with ``seed`` (as
+  HF's Flax loader takes a head of another size)."""
+  from flax.core import unfreeze  # noqa: PLC0415
+  from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: PLC0415
+  config = copy.deepcopy(hf.config)
+  config.num_labels = num_labels  # its label names too
+  model = hf_class(config, seed=seed, _do_init=False)
+  initialised = flatten_dict(unfreeze(model.init_weights(jax.random.PRNGKey(seed),
+                                                         model.input_shape)))
+  params = flatten_dict(unfreeze(hf.params))
+  new = [key for key, value in initialised.items()
+         if key not in params or params[key].shape != value.shape]
+  params = {key: params[key] if key not in new else initialised[key] for key in initialised}
+  return types.SimpleNamespace(config=config, params=unflatten_dict(params)), new
+
+
 def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: int = 0,
                      log=print):
   """``hf_class.from_pretrained(path)``: Flax weights where the directory or
@@ -232,8 +253,14 @@ def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: i
         except OSError:  # no Flax weights there: the PyTorch ones, or HF's own error for them
           messages.clear()
       if hf is None:
-        hf = hf_class.from_pretrained(path, from_pt=not flax, seed=seed, **extra)
+        # HF's PyTorch converter refuses a head of another size (ignore_mismatched_sizes
+        # reaches only its Flax loader): the checkpoint's head, then a new one.
+        hf = hf_class.from_pretrained(path, from_pt=True, seed=seed) if not flax else \
+            hf_class.from_pretrained(path, seed=seed, **extra)
     fresh = initialised_at_random(messages)
+    if num_labels is not None and hf.config.num_labels != num_labels:
+      hf, more = _new_head(hf_class, hf, num_labels, seed)
+      fresh = sorted(set(fresh) | set(more))
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - transformers, safetensors, msgpack, a missing torch

@@ -1011,8 +1011,8 @@ def test_keep_caching_only_after_a_filled_cache_won():
 
 
 def test_data_and_decision_edges():
-  """Edges found by mutating the code: a host's share of fewer samples than
-  hosts, a batch the shards cannot split, padding never counted as served,
+  """Edges found by mutating the code: a host's share when there are as many
+  samples as hosts, a batch the shards cannot split, padding never counted as served,
   and a tie between caching and recomputing (recompute: caching must win)."""
   assert [len(host_subset(4, i, 4)) for i in range(4)] == [1, 1, 1, 1]
   source = ArraySource({'x': np.arange(1)})

@@ -679,7 +679,7 @@ def test_boundaries_of_compression_balance_and_the_profile():
   # Of equal largest stages, the first split found (earlier boundaries)...
   assert autopipe.balance([1.0, 2.0, 1.0], 2) == (1, 2)
   # ...and with blocks, another split only where its widest stage is strictly
-  # narrower: (1, 1, 5) touches 3 blocks in its widest stage, as (1, 3, 3) does.
+  # narrower: (1, 1, 5)'s widest stage touches 2 blocks, as (1, 3, 3)'s does.
   assert autopipe.balance([2, 1, 1, 1, 1, 1, 1], 3, 7.0,
                           blocks=[3, 3, 4, 4, 5, 5, None]) == (1, 3, 3)
   # A remembered M that is no candidate now is measured again, not used.

@@ -295,6 +295,45 @@ def test_a_checkpoint_that_lacks_weights_of_the_model_is_refused(tmp_path, capsy
   assert capsys.readouterr().out == ''
 
 
+def test_a_pytorch_checkpoint_with_a_head_of_another_size_gets_a_new_head(tmp_path, capsys):
+  """A fine-tuned PyTorch checkpoint (2 labels) for a task of 3: HF's
+  PyTorch converter refuses the head's shape (``ignore_mismatched_sizes``
+  reaches only its Flax loader), so the checkpoint loads with its own head,
+  which a new one from the seed replaces: the very head HF's Flax loader
+  makes from the same checkpoint saved as Flax weights."""
+  from safetensors.numpy import load_file, save_file  # noqa: PLC0415
+  source = fixtures.minilm_dir()
+  weights = {f'bert.{k}': v for k, v in load_file(
+      os.path.join(source, 'model.safetensors')).items()}
+  rng = np.random.default_rng(0)
+  weights['classifier.weight'] = rng.normal(size=(2, 384)).astype(np.float32)
+  weights['classifier.bias'] = rng.normal(size=(2,)).astype(np.float32)
+  tuned = tmp_path / 'pt'
+  tuned.mkdir()
+  config = json.loads(open(os.path.join(source, 'config.json')).read())
+  config.update(num_labels=2, architectures=['BertForSequenceClassification'])
+  (tuned / 'config.json').write_text(json.dumps(config))
+  save_file(weights, str(tuned / 'model.safetensors'), metadata={'format': 'pt'})
+  own = models.create('bert-classification', pretrained=str(tuned))  # its own head, kept
+  np.testing.assert_array_equal(own.params['head']['classifier']['kernel'],
+                                weights['classifier.weight'].T)
+  capsys.readouterr()
+  created = models.create('bert-classification', pretrained=str(tuned), num_labels=3, seed=1)
+  assert capsys.readouterr().out.splitlines() == [
+      f'pretrained {tuned}: classifier initialised from seed 1 (not in the checkpoint, or of '
+      f'another size)']
+  assert created.model.hf_config.num_labels == 3
+  np.testing.assert_array_equal(created.params['attention']['self']['query']['kernel'][2],
+                                weights['bert.encoder.layer.2.attention.self.query.weight'].T)
+  flax_copy = tmp_path / 'flax'
+  own.hf_class.from_pretrained(str(tuned), from_pt=True).save_pretrained(str(flax_copy))
+  reference = models.create('bert-classification', pretrained=str(flax_copy), num_labels=3,
+                            seed=1)
+  for a, b in zip(jax.tree.leaves(created.params), jax.tree.leaves(reference.params),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_pretrained_vit_from_local_directory(tmp_path):
   """``from_pretrained`` of a saved HF ViT, with the checkpoint's head or a new one."""
   created = fixtures.tiny('vit')
