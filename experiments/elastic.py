@@ -1180,7 +1180,8 @@ def _how_to_resume(config, stop: TrainingInterrupted, workdir: str | None = None
 def main(config, workdir: str | None, task: str) -> int:
   """CLI wrapper: known bad input → one line on stderr and exit code 2; a
   first SIGTERM/SIGINT → save after the current step and exit code 75
-  (:data:`pipejax.resume.EXIT_INTERRUPTED`; the same command resumes); a
+  (:data:`pipejax.resume.EXIT_INTERRUPTED`; the same command resumes, with
+  ``--workdir <its runs/ folder>`` where the command had none); a
   second one → exit code 130 at once."""
   with resume.StopOnSignal(_log) as stop:
     try:

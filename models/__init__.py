@@ -97,7 +97,12 @@ def create(kind: str, hf_config=None, *, pretrained: str | None = None, seed: in
     init_cache: a directory that keeps random initialisations (see
       :mod:`models.init_cache`: the same bits, read instead of recomputed);
       None initialises every time.
-    log: where a cache problem is reported (one line).
+    log: where a cache problem, or a new head of a pretrained model
+      (initialised from ``seed``), is reported (one line).
+
+  Raises:
+    ValueError: ``pretrained`` cannot be loaded, or would leave weights of
+      the model other than a new head's at random (one line).
   """
   hf_class = _hf_class(kind)
   if pretrained is not None:

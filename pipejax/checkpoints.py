@@ -61,12 +61,12 @@ class CheckpointError(RuntimeError):
 
 def check_own(workdir: str) -> None:
   """Refuses a ``workdir/checkpoints`` holding a folder that orbax would take
-  for a step (an integer name) but that is no pipejax checkpoint (non-empty,
-  with neither of :data:`ITEMS` nor orbax's own files): resuming would set it
-  aside as damaged and keeping the newest checkpoints would delete it. Another
-  program's orbax checkpoint holds orbax's files but neither of :data:`ITEMS`:
-  refused too (only a step of ours left with nothing but orbax's files is
-  accepted, as damaged).
+  for a step (an integer name) but that is no pipejax checkpoint: non-empty,
+  with neither of :data:`ITEMS`, and more than orbax's own marker files
+  (another program's, an orbax checkpoint of another project included).
+  Resuming would set it aside as damaged and keeping the newest checkpoints
+  would delete it. A step of ours left with nothing but orbax's files (a
+  kill while orbax deleted it) is accepted, as damaged.
 
   Raises:
     CheckpointError: naming the first such folder.

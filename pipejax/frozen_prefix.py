@@ -557,7 +557,8 @@ class FrozenPrefix:
     return {f'cache_{k}': v for k, v in stats.items()}
 
   def local_stats(self) -> dict:
-    """This process's own cache counters (what :meth:`stats` sums) and the
+    """This process's own cache counters (what :meth:`stats` sums; after a
+    resume, process 0's include the job's sums from the checkpoint) and the
     IDs its cache holds; empty without a cache."""
     if self.cache is None:
       return {}

@@ -216,7 +216,8 @@ def main(argv=None) -> int:
                       'else the smallest M that splits it')
   p.add_argument('--batch-mode', default='constant', choices=BATCH_MODES,
                  help="the run's train.batch_mode: constant (--batch-size is the global batch) "
-                      'or per_pipeline (a pipeline\'s)')
+                      "or per_pipeline (a pipeline's), for the default M; a profile's runs are "
+                      'picked by --batch-size alone')
   p.add_argument('--split-mlp-min-gain', type=float, default=None,
                  help='split an MLP between stages when that lowers the largest stage by at '
                       "least this fraction (1: never; training's pipeline.split_mlp_min_gain)")
