@@ -186,6 +186,7 @@ def test_a_data_set_tfds_cannot_read_names_where_it_looked(monkeypatch, tmp_path
 
 def test_imagenet_path_on_mock_tfds(tmp_path):
   import tensorflow_datasets as tfds  # noqa: PLC0415 - slow to import
+  (tmp_path / 'tfds').mkdir()  # a data dir (the mock reads nothing from it)
   config = _config(tmp_path, **{'data.name': 'imagenet2012', 'data.image_size': 16,
                                 'data.data_dir': str(tmp_path / 'tfds'),
                                 'model.preset': 'custom', 'model.num_layers': 4,
@@ -320,7 +321,7 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
   from transformers import ViTImageProcessor  # noqa: PLC0415
   mean, std = np.array([0.2, 0.4, 0.6]), np.array([0.5, 0.25, 0.125])
   with_processor, without = tmp_path / 'vit', tmp_path / 'bare'
-  for folder in (with_processor, without):
+  for folder in (with_processor, without, tmp_path / 'tfds'):  # tfds: the mock's data dir
     folder.mkdir()
   ViTImageProcessor(size={'height': 16, 'width': 16}, image_mean=mean.tolist(),
                     image_std=std.tolist()).save_pretrained(str(with_processor))
