@@ -33,6 +33,7 @@ import atexit
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -122,6 +123,8 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
   kwargs = {} if c.coordinator == 'auto' else dict(
       coordinator_address=c.coordinator, num_processes=c.num_processes,
       process_id=c.process_id)
+  if kwargs and c.process_id == 0:
+    check_coordinator_port(c.coordinator)
   try:
     jax.distributed.initialize(**kwargs,
                                initialization_timeout=c.initialization_timeout_seconds,
@@ -133,6 +136,26 @@ def initialize(config, log: Callable[[str], None] = print) -> None:
                            f'{detail}') from e
   log(f'process {jax.process_index()} of {jax.process_count()} joined the job '
       f'({jax.local_device_count()} local devices, {jax.device_count()} in all)')
+
+
+def check_coordinator_port(coordinator: str) -> None:
+  """Raises :class:`DistributedError` unless process 0 can serve the job's
+  coordinator on the port of ``coordinator`` ('host:port'), on every
+  interface as JAX does: a port held by another program (or by an earlier
+  run of the job still alive) failed inside JAX with a traceback, or with a
+  crash that printed nothing."""
+  port = int(coordinator.rsplit(':', 1)[1])
+  try:
+    if socket.has_dualstack_ipv6():
+      probe = socket.create_server(('', port), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+      probe = socket.create_server(('', port))
+  except OSError as e:
+    raise DistributedError(
+        f'process 0 cannot serve the job\'s coordinator on port {port} '
+        f'(distributed.coordinator={coordinator!r}): {e.strerror or e}; stop what holds the '
+        f'port (an earlier run of this job?) or give every process another port') from e
+  probe.close()
 
 
 def config_digest(config, workdir: str | None) -> float:
@@ -294,6 +317,17 @@ def ordered_devices(devices: Sequence | None = None) -> list:
   import jax  # noqa: PLC0415
   devices = list(jax.devices() if devices is None else devices)
   return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def pipeline_span(devices: Sequence) -> int:
+  """The devices a pipeline may span: all of them in one process, else the
+  greatest common divisor of the processes' device counts (a pipeline
+  length fits every process, :func:`check_pipeline_length`, where it
+  divides this, for ``devices`` ordered by process)."""
+  per_process: dict[int, int] = {}
+  for d in devices:
+    per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+  return len(devices) if len(per_process) == 1 else math.gcd(*per_process.values())
 
 
 def check_pipeline_length(pipeline_length: int, devices: Sequence) -> None:

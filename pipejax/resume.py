@@ -145,9 +145,10 @@ class StopOnSignal:
   log, orbax's, leaves it out while active). One repeat of the first signal
   counts as a copy of it when it comes before the trainer has polled the
   request, or within :attr:`SAME_DELIVERY_SECONDS`: a tool that signals both
-  the process and its group (GNU ``timeout``; a terminal's Ctrl-C reaches
-  :func:`pipejax.distributed.supervise` and its child alike) delivers it
-  twice at once, which must not abort the save. (Python runs handlers
+  the process and its group (GNU ``timeout``; a job scheduler that signals
+  every process of a job, :func:`pipejax.distributed.supervise`'s child
+  among them, while the supervisor forwards its own copy) delivers it twice
+  at once, which must not abort the save. (Python runs handlers
   between bytecodes, so a copy that arrived during a long step is handled
   only after it: the poll, not a clock, tells the copies apart.) Outside the
   main thread it does nothing (Python delivers signals to the main thread

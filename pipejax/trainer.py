@@ -545,21 +545,26 @@ class Trainer:
                             self.model.mlp_in_keys if split else ())
     partition = autopipe.partition_for(self.costs, num_frozen, k,
                                        self.config.freeze.lambda_frozen).partition
-    self.log(f'  resuming on {self.num_devices} devices (saved on {meta["devices"]}): '
-             f'K={saved["pipeline_length"]} -> K={k}')
+    where = (f'on {self.num_devices} devices (saved on {meta["devices"]})'
+             if meta['devices'] != self.num_devices else
+             f'where a pipeline spans at most {distributed.pipeline_span(self.devices)} '
+             f'devices (one process\'s)')
+    self.log(f'  resuming {where}: K={saved["pipeline_length"]} -> K={k}')
     return partition
 
   def _restored_length(self, meta: dict) -> int:
     """The pipeline length :meth:`_restored_partition` restores: the saved
-    one on the same devices, else the longest that divides these devices
-    and does not exceed the saved one once blocks are frozen (a compressed
-    run never grows back), nor the config's starting length."""
+    one on the same devices (where it fits in each process), else the
+    longest that divides these devices, fits in each process, and does not
+    exceed the saved one once blocks are frozen (a compressed run never
+    grows back), nor the config's starting length."""
     saved = meta['plan']
     k = saved['pipeline_length']
-    if meta['devices'] == self.num_devices and self.num_devices % k == 0:
+    span = distributed.pipeline_span(self.devices)
+    if meta['devices'] == self.num_devices and span % k == 0:
       return k
     limit = min(k, self.initial_length) if saved['frozen_layers'] else self.initial_length
-    return autopipe.largest_divisor(self.num_devices, limit)
+    return autopipe.largest_divisor(span, limit)
 
   def _data_shards(self) -> int:
     """How many shards the training order is drawn over (1: the plain loader)."""

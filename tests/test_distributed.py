@@ -21,6 +21,7 @@ from experiments import datasets, elastic, vit_imagenet
 from pipejax import checkpoints, distributed, frozen_prefix
 from pipejax.data import ArraySource, ShardedLoader, host_subset
 from pipejax.pipeline import PlanError
+from pipejax.trainer import Trainer
 from tests import fixtures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,6 +99,41 @@ def test_a_pipeline_never_crosses_processes():
   distributed.check_pipeline_length(8, _devices(1, 8))  # one process: anything that divides
   shuffled = _devices(2, 4)[::-1]
   assert [d.process_index for d in distributed.ordered_devices(shuffled)] == [0] * 4 + [1] * 4
+
+
+def test_a_pipeline_spans_the_devices_every_process_has():
+  assert distributed.pipeline_span(_devices(1, 8)) == 8
+  assert distributed.pipeline_span(_devices(2, 4)) == 4
+  assert distributed.pipeline_span(_devices(4, 2)) == 2
+  uneven = _devices(1, 6) + [types.SimpleNamespace(id=100 + i, process_index=1)
+                             for i in range(4)]
+  assert distributed.pipeline_span(uneven) == 2
+  for devices in (_devices(2, 4), _devices(4, 2), uneven):  # what it allows fits
+    span = distributed.pipeline_span(devices)
+    distributed.check_pipeline_length(span, devices)
+    if 2 * span <= len(devices) and len(devices) % (2 * span) == 0:
+      with pytest.raises(PlanError):
+        distributed.check_pipeline_length(2 * span, devices)
+
+
+def test_a_checkpoint_s_pipeline_is_shortened_to_fit_a_process():
+  """Saved on one process of 8 devices at K=8 (or K=4), resumed by a job of
+  2 × 4 or 4 × 2 devices: the same device count, but a pipeline must stay in
+  one process (it was refused, with advice naming lengths the run already had)."""
+  def restored(processes, per_process, saved_k, frozen, initial):
+    trainer = types.SimpleNamespace(devices=_devices(processes, per_process),
+                                    num_devices=processes * per_process,
+                                    initial_length=initial)
+    meta = {'devices': 8, 'plan': {'pipeline_length': saved_k, 'frozen_layers': frozen}}
+    return Trainer._restored_length(trainer, meta)
+
+  assert restored(1, 8, 8, 0, 8) == 8  # the same devices: the saved plan
+  assert restored(1, 8, 4, 3, 8) == 4
+  assert restored(2, 4, 8, 0, 4) == 4
+  assert restored(2, 4, 8, 0, 8) == 4
+  assert restored(4, 2, 8, 3, 8) == 2
+  assert restored(2, 4, 4, 3, 8) == 4  # fits: kept
+  assert restored(2, 4, 2, 5, 8) == 2  # compressed: never grows back
 
 
 def test_multi_process_limits_are_one_line(monkeypatch):
@@ -489,6 +525,33 @@ def test_a_process_that_cannot_join_says_so_in_one_line(tmp_path):
       f'error: process 1 could not join the job at localhost:{port} within 3s: start the same '
       'command on every host, each with its own distributed.process_id in 0..1 '), done.stderr
   assert 'Check failure stack trace' not in done.stderr
+
+
+def test_a_coordinator_port_in_use_is_one_line(tmp_path):
+  """Process 0 cannot serve the coordinator on a port another program holds:
+  JAX failed with a traceback, or crashed printing nothing (exit 139)."""
+  holder = socket.create_server(('', 0))
+  port = holder.getsockname()[1]
+  try:
+    with pytest.raises(distributed.DistributedError, match=(
+        rf"^process 0 cannot serve the job's coordinator on port {port} "
+        rf"\(distributed.coordinator='localhost:{port}'\): .*in use.*; stop what holds")):
+      distributed.check_coordinator_port(f'localhost:{port}')
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+               XLA_FLAGS='--xla_force_host_platform_device_count=4')
+    done = subprocess.run(
+        [sys.executable, '-m', 'experiments.vit_imagenet', '--config.data.name=digits',
+         f'--config.distributed.coordinator=localhost:{port}',
+         '--config.distributed.num_processes=2', '--config.distributed.process_id=0',
+         f'--workdir={tmp_path / "job"}'], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120)
+  finally:
+    holder.close()
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      f"error: process 0 cannot serve the job's coordinator on port {port} "), done.stderr
+  assert 'Traceback' not in done.stderr
+  distributed.check_coordinator_port(f'localhost:{port}')  # free again
 
 
 def _wait_for_checkpoint(workdir, processes, timeout):
