@@ -38,7 +38,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from experiments import elastic, vit_imagenet  # noqa: E402
-from pipejax import reporting  # noqa: E402
+from pipejax import autodp, reporting  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import EVAL_BATCH_FACTOR, optimizer_for  # noqa: E402
 
@@ -68,10 +68,15 @@ def _run(config, workdir: str, held: contextlib.ExitStack) -> dict:
   if config.train.batch_size % len(devices):
     raise elastic.ConfigError(f'train.batch_size={config.train.batch_size} does not split over '
                               f'the {len(devices)} devices')
-  # Evaluation batches as the main job's default: train.eval_batch_size, or 4 x the global
-  # batch (the main job's starting one; they differ only with batch_mode=per_pipeline).
-  # Both split over the devices: check_config and the batch check above see to it.
-  eval_batch = config.train.eval_batch_size or EVAL_BATCH_FACTOR * config.train.batch_size
+  # Evaluation batches as the main job's: train.eval_batch_size, or 4 x its starting global
+  # batch (B x R0 with batch_mode=per_pipeline), so that a train.max_steps_per_epoch cap
+  # evaluates the same samples. Both split over the devices: check_config and the batch
+  # check above see to it.
+  starting = autodp.global_batch_size(
+      config.train.batch_size,
+      autodp.replicas_for(len(devices), config.pipeline.initial_length, config.pipeline.autodp),
+      config.train.batch_mode)
+  eval_batch = config.train.eval_batch_size or EVAL_BATCH_FACTOR * starting
   cap = config.train.max_steps_per_epoch
   train = Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap)
   evals = Loader(data.eval, eval_batch, shuffle=False, drop_remainder=False, max_steps=cap)

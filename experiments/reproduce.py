@@ -7,7 +7,8 @@ Parts (each writes ``DIR/<part>.json`` and ``DIR/<part>.png``):
 
 * ``breakdown`` (paper Fig. 9) — ``baseline`` (no freezing, static pipeline
   of the starting length), ``freeze`` (freezing; the pipeline keeps its
-  length, AutoPipe only rebalances the active layers over it), ``freeze+autopipe``
+  length, AutoPipe only rebalances the active layers over it, and at least
+  ⌈(K−1)/2⌉ blocks keep training so that every stage has a unit), ``freeze+autopipe``
   (+ compression K → K/2; the freed devices idle), ``freeze+autopipe+autodp``
   (+ replicas on the freed devices), ``full`` (+ AutoCache), and ``plain_dp``
   (the same HF Flax ViT with plain ``jax.jit`` data parallelism,
@@ -96,21 +97,25 @@ class Runner:
     self.variants = variants  # those the breakdown runs
     self.results: dict[tuple, dict] = {}
 
-  def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float, dict]:
-    workdir = os.path.join(self.workdir, 'runs', name)
+  def caches(self, workdir: str) -> tuple[dict, str]:
+    """``(environment, micro-batch profile path)`` of a child run in
+    ``workdir``: every cache a run reads is DIR's (or the run's own, cold),
+    never the user's ~/.cache/pipejax: what a run pays must not depend on
+    their history."""
     env = dict(os.environ)
-    # Every cache a run reads is DIR's (or the run's own, cold), never the
-    # user's ~/.cache/pipejax: what a run pays must not depend on their history.
     if self.compile_cache in ('warm', 'shared'):
       env['PIPEJAX_COMPILATION_CACHE'] = os.path.join(self.workdir, 'jax-cache')
       env['PIPEJAX_PROGRAM_STORE'] = os.path.join(self.workdir, 'programs')
       env['PIPEJAX_INIT_CACHE'] = os.path.join(self.workdir, 'init')
-      profile = os.path.join(self.workdir, 'micro_batches.json')
-    else:
-      env['PIPEJAX_COMPILATION_CACHE'] = workdir + '.jax-cache'
-      env['PIPEJAX_PROGRAM_STORE'] = workdir + '.programs'
-      env['PIPEJAX_INIT_CACHE'] = workdir + '.init'
-      profile = workdir + '.micro_batches.json'
+      return env, os.path.join(self.workdir, 'micro_batches.json')
+    env['PIPEJAX_COMPILATION_CACHE'] = workdir + '.jax-cache'
+    env['PIPEJAX_PROGRAM_STORE'] = workdir + '.programs'
+    env['PIPEJAX_INIT_CACHE'] = workdir + '.init'
+    return env, workdir + '.micro_batches.json'
+
+  def _process(self, name: str, module: str, args: list[str]) -> tuple[str, float, dict]:
+    workdir = os.path.join(self.workdir, 'runs', name)
+    env, profile = self.caches(workdir)
     cmd = [sys.executable, '-m', module, f'--workdir={workdir}', *self.passthrough, *args,
            '--config.checkpoint.enabled=False', f'--config.pipeline.profile_path={profile}']
     start = time.perf_counter()
@@ -324,6 +329,10 @@ def breakdown(runner: Runner, workdir: str) -> dict:
                                                 full['final_eval_accuracy']), 9)
     if 'plain_dp' in by:
       targets['full_vs_plain_dp'] = by['plain_dp']['total_seconds'] / full['total_seconds']
+  for key in TARGETS:  # a --variants without full or plain_dp says what it left out
+    if key not in targets and key not in skipped:
+      skipped[key] = ('full not run (--variants)' if 'full' not in by else
+                      'plain_dp not run (--variants)')
   for key, value in targets.items():
     met[key] = (value <= TARGETS[key]) if key == 'accuracy_points' else (value >= TARGETS[key])
   print('\nbreakdown (paper Fig. 9)')
@@ -513,7 +522,8 @@ def microbatches(runner: Runner, workdir: str) -> dict:
   cmd = [sys.executable, '-m', 'experiments.reproduce_microbatches', f'--workdir={workdir}',
          *runner.passthrough]
   print('  microbatches ...', flush=True)
-  proc = run_child(cmd, capture=False)
+  env, _ = runner.caches(os.path.join(workdir, 'runs', 'microbatches'))
+  proc = run_child(cmd, capture=False, env=env)
   if proc.returncode:
     fail(f'error: the micro-batch sweep failed ({" ".join(cmd)})')
   with open(out) as f:

@@ -243,6 +243,22 @@ def test_parts_on_synthetic_runs(tmp_path):
     assert os.path.getsize(tmp_path / f'{part}.png') > 1000
 
 
+@pytest.mark.parametrize('variants, missing', [
+    (('baseline', 'full'), {'full_vs_plain_dp': 'plain_dp not run (--variants)'}),
+    (('baseline', 'freeze', 'plain_dp'),
+     {key: 'full not run (--variants)' for key in reproduce.TARGETS})])
+def test_a_target_that_the_variants_leave_out_says_so(tmp_path, capsys, variants, missing):
+  runner = _FakeRunner()
+  runner.variants = variants
+  out = reproduce.breakdown(runner, str(tmp_path))
+  assert [r['variant'] for r in out['rows']] == list(variants)
+  assert out['targets_not_measured'] == missing
+  assert set(out['targets']) == set(reproduce.TARGETS) - set(missing)
+  printed = capsys.readouterr().out
+  for key, why in missing.items():
+    assert f'target {key}: not measured ({why})' in printed
+
+
 @pytest.mark.parametrize('drop, points, met', [
     (0.01, 1.0, True),     # 0.9 - 0.89 is 1.0000000000000009 points: 1 point, met
     (0.02, 2.0, False),
@@ -524,6 +540,23 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
   assert [r['checkpointed'] for r in rows[0] + rows[1]] == [False] * len(rows[0] + rows[1])
 
 
+def test_plain_dp_evaluates_the_samples_the_main_job_does_with_a_growing_batch(tmp_path):
+  """With batch_mode=per_pipeline the main job's evaluation batch is 4 × its
+  starting global batch, B·R₀ (R₀ = 8/4 here), and a train.max_steps_per_epoch
+  cap also caps evaluation: plain_dp takes the same batch, so that both count
+  the same samples (it took 4·B: half as many)."""
+  from experiments import plain_dp  # noqa: PLC0415
+  config = _tiny_config(**{'freeze.policy': 'none', 'cache.enabled': False,
+                           'train.batch_mode': 'per_pipeline', 'train.epochs': 1,
+                           'train.max_steps_per_epoch': 1})
+  replicas = config.pipeline.devices // config.pipeline.initial_length
+  summary = plain_dp.run(config, str(tmp_path / 'dp'))
+  assert summary['eval_batch_size'] == 4 * config.train.batch_size * replicas
+  (row,) = [json.loads(line) for line in open(tmp_path / 'dp' / 'metrics.jsonl')]
+  assert row['eval_accuracy'] * summary['eval_batch_size'] == pytest.approx(
+      round(row['eval_accuracy'] * summary['eval_batch_size']))
+
+
 def test_the_benchmarks_refuse_a_bad_workdir_or_setting_before_any_training(tmp_path):
   """A workdir that is a file, or where an output's path is a folder, or a
   setting the command cannot follow: one line, exit 2, before the data and
@@ -587,3 +620,19 @@ def test_every_cache_a_run_reads_is_the_workdir_s_never_the_user_s(tmp_path, mon
   for path in own:
     assert path.startswith(str(tmp_path / 'dir') + os.sep), (mode, path)
     assert (os.path.join('runs', 'full.') in path) == (mode == 'cold'), (mode, path)
+  # The micro-batch sweep, a child of its own, reads the same caches.
+  swept = []
+
+  def sweep(cmd, capture=True, env=None):
+    swept.append(env)
+    with open(tmp_path / 'dir' / 'microbatches.json', 'w') as f:
+      json.dump({}, f)
+    return subprocess.CompletedProcess(cmd, 0, '', '')
+
+  monkeypatch.setattr(reproduce, 'run_child', sweep)
+  os.makedirs(tmp_path / 'dir', exist_ok=True)
+  reproduce.microbatches(runner, str(tmp_path / 'dir'))
+  (env,) = swept
+  for name in ('PIPEJAX_COMPILATION_CACHE', 'PIPEJAX_PROGRAM_STORE', 'PIPEJAX_INIT_CACHE'):
+    assert env[name].startswith(str(tmp_path / 'dir') + os.sep), (mode, env[name])
+    assert (os.path.join('runs', 'microbatches.') in env[name]) == (mode == 'cold')
