@@ -152,6 +152,12 @@ def _sharding_signature(sharding) -> Any:
   return _describe(sharding) if isinstance(sharding, NamedSharding) else repr(sharding)
 
 
+def _tree_text(tree) -> str:
+  """``tree`` (a PyTreeDef) as text that is the same in every process: its
+  ``str`` without the memory addresses of a default ``repr``."""
+  return re.sub(r' at 0x[0-9a-fA-F]+', '', str(tree))
+
+
 def arguments_signature(args: tuple) -> str:
   """Tree structure, shapes, dtypes and shardings of ``args`` (arrays or
   ``jax.ShapeDtypeStruct``\\ s) as text."""
@@ -377,9 +383,11 @@ class ProgramStore:
 
     lowered = lower(f'pipejax_{os.path.basename(path).split("-")[0]}')
     compiled, fresh = compile_fresh(lowered, options)
+    # The output's tree too: the module's text names a dict's keys, not a
+    # tuple from a list, nor one NamedTuple class from another.
     content = hashlib.sha256('\0'.join(
         (lowered.as_text(), json.dumps(options or {}, sort_keys=True),
-         arguments_signature(args), repr(out_shardings), self._machine,
+         arguments_signature(args), repr(out_shardings), _tree_text(out_tree), self._machine,
          str(EXECUTABLE_FORMAT))).encode()).hexdigest()
     if not fresh and not os.path.exists(self.executable_path(content)):
       # JAX's cache answered, and no entry kept the executable (it was lost):

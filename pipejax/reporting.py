@@ -43,9 +43,10 @@ def read_rows(workdir: str) -> list[dict[str, Any]]:
   torn last line, from a crash while writing, is ignored).
 
   Raises:
-    MetricsError: the file cannot be read, or a line before the last is not
-      a row with an ``epoch`` (a damaged file is never rewritten: the rows
-      after the damage would be lost).
+    MetricsError: the file cannot be read, or a line is not a row with an
+      ``epoch`` (the last line only when it is whole JSON: a torn one is the
+      crash's; a damaged file is never rewritten: the rows after the damage
+      would be lost).
   """
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):

@@ -232,6 +232,27 @@ def test_entries_of_the_same_program_share_its_executable(tmp_path):
   assert last.stats()['executables_loaded'] == 1 and int(got[0]['step']) == 1
 
 
+def test_programs_that_differ_only_in_their_output_s_container_keep_their_own(tmp_path):
+  """A tuple and a list of the same arrays lower to the same module text: the
+  second entry's executable replaced the first's, whose program then
+  returned a list. Each keeps its own container, also when loaded again."""
+  sharding = NamedSharding(_mesh(), P())
+  x = jax.device_put(jnp.arange(8.0) + _salt(), sharding)
+  builds = {'tuple': lambda: jax.jit(lambda v: (v * 2, v + 1), out_shardings=sharding),
+            'list': lambda: jax.jit(lambda v: [v * 2, v + 1], out_shardings=sharding)}
+  with _jax_cache(0.0):
+    store = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+    for name, build in builds.items():
+      assert type(store.compile('p', (name,), (x,), build)(x)).__name__ == name
+    assert len(_files(tmp_path, EXECUTABLE_SUFFIX)) == 2
+    again = ProgramStore(str(tmp_path), {'run': 1}, log=pytest.fail)
+    for name in builds:
+      got = again.compile('p', (name,), (x,), pytest.fail)(x)
+      assert type(got).__name__ == name
+      np.testing.assert_array_equal(got[1], np.asarray(x) + 1)
+  assert again.stats()['executables_loaded'] == 2
+
+
 def test_an_executable_of_an_earlier_layout_is_not_shared(tmp_path, monkeypatch):
   """An executable file written by an earlier layout of the store is not
   pointed to by a new entry of the same program (it would be unusable at
