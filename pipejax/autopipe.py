@@ -512,9 +512,15 @@ def _load(path: str) -> dict[str, Any]:
     raise NotAProfile(f'{path} is not a micro-batch profile (it does not start as a JSON '
                       f'object does); it is left as it is')
   try:
-    data = json.loads(raw.decode('utf-8'))
+    text = raw.decode('utf-8').strip()
+    data, end = json.JSONDecoder().raw_decode(text)
   except ValueError as e:  # UnicodeDecodeError too
     raise ValueError(f'cannot read the micro-batch profile {path}: {e}') from e
+  if text[end:].strip():
+    # A whole object and more after it: JSON lines (a run's metrics.jsonl),
+    # which no torn write of ours leaves.
+    raise NotAProfile(f'{path} is not a micro-batch profile (more follows its first JSON '
+                      f'object: JSON lines?); it is left as it is')
   if not isinstance(data, dict):
     raise ValueError(f'{path} is not a micro-batch profile (expected a JSON object)')
   for key, value in data.items():  # a record per configuration digest, and descriptions
