@@ -60,10 +60,11 @@ class CheckpointError(RuntimeError):
 
 
 def check_own(workdir: str) -> None:
-  """Refuses a ``workdir/checkpoints`` holding a folder that orbax would take
-  for a step (an integer name) but that is no pipejax checkpoint: non-empty,
-  with neither of :data:`ITEMS`, and more than orbax's own marker files
-  (another program's, an orbax checkpoint of another project included).
+  """Refuses a ``workdir/checkpoints`` holding an entry that orbax would take
+  for a step (an integer name) but that is no pipejax checkpoint: a file or a
+  link, or a folder that is non-empty, with neither of :data:`ITEMS`, and
+  more than orbax's own marker files (another program's, an orbax checkpoint
+  of another project included).
   Resuming would set it aside as damaged and keeping the newest checkpoints
   would delete it. A step of ours left with nothing but orbax's files (a
   kill while orbax deleted it) is accepted, as damaged.
@@ -78,8 +79,13 @@ def check_own(workdir: str) -> None:
     return
   for name in names:
     path = os.path.join(directory, name)
-    if not name.isdigit() or not os.path.isdir(path):
+    if not name.isdigit():
       continue
+    if os.path.islink(path) or not os.path.isdir(path):
+      # orbax would take it for a step (and a save of that step replaced it).
+      what = 'a link' if os.path.islink(path) else 'a file, not a folder'
+      raise CheckpointError(f'{path} is not a pipejax checkpoint ({what}): move it out of '
+                            f'{directory}, or use another --workdir')
     try:
       items = sorted(os.listdir(path))
     except OSError:

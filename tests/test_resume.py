@@ -438,19 +438,30 @@ def test_another_programs_checkpoint_folder_is_refused_never_set_aside_or_remove
     return sorted(os.path.relpath(os.path.join(root, n), workdir)
                   for root, dirs, files in os.walk(workdir) for n in dirs + files)
   before = tree()
-  message = (rf'^{re.escape(folder)}/200 is not a pipejax checkpoint \(it holds '
-             rf'_CHECKPOINT_METADATA, commit_success.txt, default, not meta and state\): move '
-             rf'it out of {re.escape(folder)}, or use another --workdir$')
-  for attempt in (lambda: checkpoints.Checkpoints(workdir), lambda: checkpoints.clear(workdir),
-                  lambda: elastic._start_over(workdir)):
-    with pytest.raises(checkpoints.CheckpointError, match=message):
-      attempt()
-    assert tree() == before
-  shutil.move(os.path.join(folder, '200'), os.path.join(workdir, 'theirs'))
+  # A file named as a step (a save of step 42 replaced it) is refused first,
+  # then the other program's folder.
+  messages = [rf'^{re.escape(folder)}/42 is not a pipejax checkpoint \(a file, not a folder\): '
+              rf'move it out of {re.escape(folder)}, or use another --workdir$',
+              rf'^{re.escape(folder)}/200 is not a pipejax checkpoint \(it holds '
+              rf'_CHECKPOINT_METADATA, commit_success.txt, default, not meta and state\): move '
+              rf'it out of {re.escape(folder)}, or use another --workdir$']
+  for message, name in zip(messages, ('42', '200')):
+    for attempt in (lambda: checkpoints.Checkpoints(workdir), lambda: checkpoints.clear(workdir),
+                    lambda: elastic._start_over(workdir)):
+      with pytest.raises(checkpoints.CheckpointError, match=message):
+        attempt()
+      assert tree() == before
+    shutil.move(os.path.join(folder, name), os.path.join(workdir, f'theirs{name}'))
+    before = tree()
   checkpoints.Checkpoints(workdir).close()  # an empty step folder is not another program's
   checkpoints.clear(workdir)
-  assert sorted(os.listdir(folder)) == ['42', 'backup', 'notes.txt']
-  assert os.path.isfile(os.path.join(workdir, 'theirs', 'default', 'array.bin'))
+  assert sorted(os.listdir(folder)) == ['backup', 'notes.txt']
+  assert os.path.isfile(os.path.join(workdir, 'theirs200', 'default', 'array.bin'))
+  assert open(os.path.join(workdir, 'theirs42')).read() == 'mine'
+  os.symlink(os.path.join(workdir, 'theirs200'), os.path.join(folder, '300'))
+  with pytest.raises(checkpoints.CheckpointError, match=r'/300 is not a pipejax checkpoint '
+                                                        r'\(a link\)'):
+    checkpoints.Checkpoints(workdir)
 
 
 def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tmp_path):
