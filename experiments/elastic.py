@@ -36,7 +36,7 @@ from pipejax.autocache import CacheMismatchError
 from pipejax.data import DataReadError, Loader, ShardedLoader
 from pipejax.partition import PartitionError
 from pipejax.trainer import (PROFILE_ROUNDS, LossNotFinite, Trainer, TrainingInterrupted,
-                             check_batch_for_freezing)
+                             check_batch_for_freezing, meta_problem)
 
 
 class ConfigError(ValueError):
@@ -927,7 +927,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   # everything that can refuse this run's config has run: the trainer builds
   # the plan, its loaders and its cache.
   def open_checkpoints():
-    return (checkpoints.Checkpoints(workdir, config.checkpoint.keep)
+    return (checkpoints.Checkpoints(workdir, config.checkpoint.keep, meta_problem)
             if config.checkpoint.enabled else None)
 
   ckpt = open_checkpoints() if config.resume else None

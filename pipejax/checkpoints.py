@@ -188,8 +188,12 @@ class Checkpoints:
     keep: how many recent checkpoints to keep.
   """
 
-  def __init__(self, workdir: str, keep: int = 2):
+  def __init__(self, workdir: str, keep: int = 2,
+               meta_problem: Callable[[dict], str | None] | None = None):
     check_own(workdir)
+    # What makes a meta that reads unusable to its owner (a key it lacks):
+    # such a step is unreadable, as a damaged one is.
+    self._meta_problem = meta_problem
     self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
     # Directories are created before save() returns: created asynchronously,
     # a save that failed (a full disk) left its writer threads waiting 300 s
@@ -291,8 +295,19 @@ class Checkpoints:
     return ocp.CompositeCheckpointHandler().restore(epath.Path(self.path(step)), args=args)
 
   def _saved_meta(self, step: int) -> dict:
-    """The meta saved with ``step``, the packed state's layout included."""
-    return dict(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta'])
+    """The meta saved with ``step``, the packed state's layout included.
+
+    Raises:
+      ValueError: it reads, but is no object, or ``meta_problem`` finds it
+        unusable.
+    """
+    meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    if not isinstance(meta, dict):
+      raise ValueError(f'its meta is a {type(meta).__name__}, not an object')
+    problem = self._meta_problem(meta) if self._meta_problem else None
+    if problem:
+      raise ValueError(f'its meta is unusable: {problem}')
+    return dict(meta)
 
   def _meta(self, step: int) -> dict:
     """The meta saved with ``step``, without the packed state's layout."""

@@ -254,6 +254,45 @@ def traced_config(config) -> dict:
     traced['data'] = {k: v for k, v in traced['data'].items() if k != 'workers'}
   return traced
 
+#: What :meth:`Trainer.restore` reads of a checkpoint's meta, by key path:
+#: the JSON types each must have (an int where a float is named is one too).
+_META_SCHEMA = {
+    'epoch': int, 'step_in_epoch': int, 'epoch_done': bool, 'step': int, 'devices': int,
+    'wall_seconds': float, 'transitions': list,
+    'plan': {'frozen_layers': int, 'stage_sizes': list, 'pipeline_length': int,
+             'replicas': int, 'micro_batches': int},
+    'freeze_state': {'num_frozen_layers': int, 'bound': float, 'timestep': int, 'history': list},
+    'micro_batches': {'chosen': dict, 'trials': dict, 'announced': list, 'timings': dict},
+    'cache': {'decisions': list, 'use_cache': bool, 'depth': (int, type(None))},
+}
+
+
+def meta_problem(meta: dict, schema: dict = _META_SCHEMA, where: str = '') -> str | None:
+  """What makes ``meta`` (a checkpoint's, JSON) unusable for
+  :meth:`Trainer.restore`: the first key it lacks, or holds a value of
+  another type, by its path; None when it has them all (a hand-edited or
+  damaged meta is set aside as unreadable, not a traceback)."""
+  for key, want in schema.items():
+    name = f'{where}{key}'
+    if key not in meta:
+      return f'it has no {name!r}'
+    value = meta[key]
+    if isinstance(want, dict):
+      if not isinstance(value, dict):
+        return f'its {name!r} is a {type(value).__name__}, not an object'
+      inner = meta_problem(value, want, f'{name}.')
+      if inner:
+        return inner
+      continue
+    kinds = want if isinstance(want, tuple) else (want,)
+    if float in kinds:
+      kinds = (*kinds, int)
+    if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+      kind = kinds[0].__name__
+      return f'its {name!r} is {value!r:.40}, not {"an" if kind[0] in "aeiou" else "a"} {kind}'
+  return None
+
+
 class Trainer:
   """Elastic PipeTransformer training of one model.
 

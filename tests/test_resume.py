@@ -326,6 +326,45 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(tmp_path):
   assert open(log.path).read() == before
 
 
+def test_a_checkpoint_whose_meta_lacks_what_a_resume_reads_is_set_aside(tmp_path, capsys):
+  """A meta that reads (whole JSON) but lacks a key the trainer reads, or
+  holds it with another type (hand-edited, or of another pipejax): set aside
+  as unreadable, in one line, and the run resumes from the one before (it
+  was a KeyError traceback)."""
+  workdir = str(tmp_path / 'run')
+  config = _config(str(tmp_path / 'p.json'), **{'train.epochs': 2})
+  elastic.run(config, workdir, task='vit')
+  folder = os.path.join(workdir, 'checkpoints')
+  newest = max(int(n) for n in os.listdir(folder) if n.isdigit())
+  path = os.path.join(folder, str(newest), 'meta', 'metadata')
+  with open(path) as f:
+    meta = json.load(f)
+  assert trainer_lib.meta_problem(meta) is None  # as written
+  for key, value, problem in (
+      ('plan', 'K=2', "its 'plan' is a str, not an object"),
+      ('epoch_done', 1, "its 'epoch_done' is 1, not a bool"),
+      ('step', True, "its 'step' is True, not an int"),
+      ('wall_seconds', 3, None),  # an int is a JSON number too
+      ('freeze_state', {**meta['freeze_state'], 'bound': None},
+       "its 'freeze_state.bound' is None, not a float"),
+      ('cache', {k: v for k, v in meta['cache'].items() if k != 'depth'},
+       "it has no 'cache.depth'")):
+    assert trainer_lib.meta_problem({**meta, key: value}) == problem, key
+  del meta['plan']
+  with open(path, 'w') as f:
+    json.dump(meta, f)
+  capsys.readouterr()
+  with config.unlocked():
+    config.train.epochs = 3
+  elastic.run(config, workdir, task='vit')
+  out = capsys.readouterr().out
+  assert (f"checkpoint {folder}/{newest} is unreadable (its meta is unusable: it has no 'plan'); "
+          f"moved to {folder}/{newest}.corrupt") in out, out
+  assert 'resumed at step 3 (epoch 0, 3/3 batches)' in out
+  assert [r['epoch'] for r in _rows(workdir)] == [0, 1, 2]
+  assert os.path.isfile(os.path.join(folder, f'{newest}.corrupt', 'meta', 'metadata'))
+
+
 def test_a_checkpoint_whose_bytes_changed_on_disk_is_set_aside_not_trained_from(tmp_path):
   """Orbax reads a packed state's bytes changed after the write (a failing
   disk) as values; the crc32 saved with them finds it: the checkpoint is set
