@@ -1434,6 +1434,22 @@ def _user_config_file(given: str, config_file: str):
   return config
 
 
+def _a(noun: str) -> str:
+  """``noun`` with its indefinite article."""
+  return f'{"an" if noun[:1] in "aeiou" else "a"} {noun}'
+
+
+def _same_kind(value, default) -> bool:
+  """Whether a config file's ``value`` has the type of the command's
+  ``default`` (an int where a float is the default is one too, a bool never
+  an int), as the command line's ``--config.KEY=VALUE`` is parsed."""
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(default, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  return type(value) is type(default) or default is None
+
+
 def _hold_against(config, given: str, config_file: str) -> None:
   """Holds the configuration ``config`` of the user's config file ``given``
   against the command's own (``config_file``'s), in place: a key the
@@ -1467,6 +1483,15 @@ def _hold_against(config, given: str, config_file: str) -> None:
   if typos:
     raise ConfigError(f'the --config file {given} sets {", ".join(map(named, typos))}, which '
                       f'this command does not have (--help lists the keys)')
+  wrong = [(key, ours[key]) for key in known
+           if key in ours and not _same_kind(ours[key], known[key])]
+  if wrong:
+    key, value = wrong[0]
+    more = len(wrong) - 1
+    raise ConfigError(f'the --config file {given} sets {key} to {value!r:.60} '
+                      f'({_a(type(value).__name__)}), where this command takes '
+                      f'{_a(type(known[key]).__name__)} (default: {known[key]!r})' +
+                      (f' (and {more} more such key{"s" * (more > 1)})' if more else ''))
   if unknown:
     _log(f'note: the --config file {given} sets {len(unknown)} reference'
          f'{"s" * (len(unknown) > 1)} that this command does not read itself: '

@@ -900,3 +900,17 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
   assert refused('none.py', 'def get_config():\n  return None\n') == (
       f"error: get_config() of the --config file {tmp_path / 'none.py'} returned a NoneType, "
       f"not an ml_collections.ConfigDict\n")
+  # A value of another type than the command's key has (a traceback from the
+  # range checks before); an int where a float is the default is one.
+  wrong = (source.replace("  c.train.max_grad_norm = 0.0", "  c.train.max_grad_norm = 1")
+           .replace("  c.train.batch_size = 32", "  c.train.batch_size = 'big'")
+           .replace("  c.pipeline.micro_batches = 0", "  c.pipeline.micro_batches = None")
+           .replace("  c.cache.enabled = True", "  c.cache.enabled = 1"))
+  assert wrong.count("'big'") == 1 and 'micro_batches = None' in wrong and 'enabled = 1' in wrong
+  assert refused('types.py', wrong) == (
+      f"error: the --config file {tmp_path / 'types.py'} sets cache.enabled to 1 (an int), "
+      f"where this command takes a bool (default: True) (and 2 more such keys)\n")
+  wrong = wrong.replace("  c.cache.enabled = 1", "  c.cache.enabled = True")
+  assert refused('types.py', wrong) == (
+      f"error: the --config file {tmp_path / 'types.py'} sets pipeline.micro_batches to None (a "
+      f"NoneType), where this command takes an int (default: 0) (and 1 more such key)\n")
