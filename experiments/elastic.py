@@ -777,6 +777,13 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
   dropped = reporting.keep_rows(workdir, finished, meta.get('row'))
   _log(f'resuming from {path}' + (f' (dropped {dropped} metrics rows written after it)'
                                   if dropped else ''))
+  held = {r['epoch'] for r in reporting.read_rows(workdir)}
+  missing = [e for e in range(finished) if e not in held]
+  if missing:  # emptied or removed by hand: gone before this run, said, not made up
+    shown = ', '.join(map(str, missing[:5])) + (', ...' if len(missing) > 5 else '')
+    _log(f'note: {os.path.join(workdir, "metrics.jsonl")} lacks the rows of {len(missing)} '
+         f'epoch{"s" * (len(missing) > 1)} the checkpoint has trained ({shown}): the rows '
+         f'and the summary go on without them')
 
 
 #: Config keys that name a local file or folder: a leading ``~`` in them is the

@@ -363,6 +363,16 @@ def test_a_checkpoint_whose_meta_lacks_what_a_resume_reads_is_set_aside(tmp_path
   assert 'resumed at step 3 (epoch 0, 3/3 batches)' in out
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1, 2]
   assert os.path.isfile(os.path.join(folder, f'{newest}.corrupt', 'meta', 'metadata'))
+  # metrics.jsonl emptied by hand: the epochs' rows are gone before the run,
+  # which says so and goes on (the checkpoint's copy gives the last one back).
+  open(os.path.join(workdir, 'metrics.jsonl'), 'w').close()
+  with config.unlocked():
+    config.train.epochs = 4
+  elastic.run(config, workdir, task='vit')
+  out = capsys.readouterr().out
+  assert (f"note: {workdir}/metrics.jsonl lacks the rows of 2 epochs the checkpoint has trained "
+          f"(0, 1): the rows and the summary go on without them") in out, out
+  assert [r['epoch'] for r in _rows(workdir)] == [2, 3]
 
 
 def test_a_checkpoint_whose_bytes_changed_on_disk_is_set_aside_not_trained_from(tmp_path):
