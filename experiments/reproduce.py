@@ -24,6 +24,8 @@ Parts (each writes ``DIR/<part>.json`` and ``DIR/<part>.png``):
 * ``table1`` (Table 1) — ``baseline`` and ``full`` over seeds 0, 1, 2:
   accuracy and time, mean ± std.
 
+The main job's own checks of the ``--config`` arguments run first (in a
+child), so a value the runs would refuse is refused before DIR is written.
 Every run is a fresh process on the same machine, one after the other, with
 the main job's config (``experiments.vit_imagenet``: the embedded default
 unless ``--config``/overrides say otherwise, passed to every run; an override
@@ -530,6 +532,35 @@ def microbatches(runner: Runner, workdir: str) -> dict:
     return json.load(f)
 
 
+_CHECK = """
+import sys
+from experiments import vit_imagenet  # first: it sets up JAX's devices
+from experiments import elastic
+parsed = elastic.parse_command_line(vit_imagenet.__file__, ['reproduce', *sys.argv[1:]])
+if parsed is None:
+  sys.exit(2)
+import jax
+try:
+  elastic.check_config(parsed[0], len(jax.devices()))
+  elastic.check_settings_without_data(parsed[0], 'vit')
+except elastic.ConfigError as e:
+  print(f'error: {e}', file=sys.stderr)
+  sys.exit(2)
+"""
+
+
+def check_settings(passthrough: list[str]) -> str | None:
+  """The error line (None: none) of the main job's own checks of the
+  ``--config`` arguments every run gets, in a child process (the main
+  job's flags and devices), before DIR is written: a bad value refused by
+  the first run left a DIR that the same command, corrected, refused."""
+  proc = run_child([sys.executable, '-c', _CHECK, *passthrough])
+  if proc.returncode == 0:
+    return None
+  lines = proc.stderr.strip().splitlines()
+  return lines[-1] if lines else f'error: the settings check failed ({proc.returncode})'
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog='python -m experiments.reproduce', description=__doc__.split('\n\n')[0],
@@ -580,9 +611,12 @@ def main(argv=None) -> int:
     print(f'error: {", ".join(clash)}; leave it out or run the other parts alone',
           file=sys.stderr)
     return 2
-  error = claim_workdir(args.workdir)
+  existed = os.path.exists(args.workdir)
+  error = claim_workdir(args.workdir) or check_settings(passthrough)
   if error:
     print(error, file=sys.stderr)
+    if not existed and os.path.isdir(args.workdir) and not os.listdir(args.workdir):
+      os.rmdir(args.workdir)  # made by claim_workdir: the same command may run again
     return 2
   runner = Runner(args.workdir, passthrough, args.compile_cache,
                   tuple(dict.fromkeys(['baseline', *variants])))

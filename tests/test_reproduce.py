@@ -377,11 +377,34 @@ def test_config_file_and_overrides_pass_through_to_every_run(tmp_path, monkeypat
     seen.append(passthrough)
     raise Stop
   monkeypatch.setattr(reproduce, 'Runner', runner)
+  monkeypatch.setattr(reproduce, 'check_settings', lambda passthrough: None)
   for i, argv in enumerate((['--config', 'my.py', '--config.train.epochs=2'],
                             ['--config=my.py', '--config.train.epochs=2'])):
     with pytest.raises(Stop):
       reproduce.main(['--workdir', str(tmp_path / str(i)), '--only', 'breakdown', *argv])
   assert seen == [['--config=my.py', '--config.train.epochs=2']] * 2
+
+
+def test_settings_the_runs_would_refuse_are_refused_before_dir_is_written(tmp_path, capsys):
+  """The main job's own checks run first (in a child), so a bad value leaves
+  no DIR behind and the corrected command runs in it; a DIR the user made
+  stays."""
+  workdir = tmp_path / 'w'
+  for argv, message in ((['--config.train.batch_size=-1'],
+                         'error: train.batch_size must be >= 1, got -1'),
+                        (['--config.data.name=mnist'], "error: data.name must be 'auto', "),
+                        (['--config.train.bacth_size=8'],
+                         "error: unknown config key 'train.bacth_size' (did you mean "
+                         "'train.batch_size'?")):
+    assert reproduce.main(['--workdir', str(workdir), '--only', 'transitions', *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count('\n') == 1, err
+    assert not os.path.exists(workdir)
+  workdir.mkdir()
+  assert reproduce.main(['--workdir', str(workdir), '--config.train.epochs=0']) == 2
+  assert 'train.epochs must be >= 1' in capsys.readouterr().err
+  assert os.path.isdir(workdir) and not os.listdir(workdir)
+  assert reproduce.check_settings([f'--config.{k}={v}' for k, v in TINY.items()]) is None
 
 
 def test_refuses_a_used_workdir(tmp_path, capsys):
