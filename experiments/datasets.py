@@ -188,13 +188,17 @@ def tfds_data_source(tfds, name: str, split: str, data_dir: str | None):
     with runtime.absl_errors_only():  # TFDS warns about each folder it probes
       return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
   except Exception as e:  # tfds raises several types for "not prepared"
-    text = distributed.first_line(str(e), 160)
-    detail = f': {text}' if text else ''
     where = data_dir or (f'$TFDS_DATA_DIR={os.environ["TFDS_DATA_DIR"]}'
                          if os.environ.get('TFDS_DATA_DIR') else 'the default data dir')
+    if imagenet_missing(data_dir, name):  # certainly absent: TFDS's guess about formats is noise
+      why = f'{name} is not prepared for TFDS in {where} (no {name}/<version>/dataset_info.json)'
+    else:
+      text = distributed.first_line(str(e), 160)
+      detail = f': {text}' if text else ''
+      why = (f'{name} is not prepared for TFDS in {where}, or its files cannot be read '
+             f'({type(e).__name__}{detail})')
     raise DatasetMissing(
-        f'{name} is not prepared for TFDS in {where}, or its '
-        f'files cannot be read ({type(e).__name__}{detail}); prepare it with: tfds build {name} '
+        f'{why}; prepare it with: tfds build {name} '
         f'--file_format=array_record{" --data_dir=" + data_dir if data_dir else ""}') from e
 
 

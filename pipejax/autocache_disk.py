@@ -118,11 +118,9 @@ class DiskTier:
     self.payload_bytes = int(np.prod(self.entry_shape)) * self.dtype.itemsize
     self.record_bytes = HEADER.itemsize + self.payload_bytes
     self.slots = int(min(max_bytes // self.record_bytes, max_slots))
-    try:
-      os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-      raise CacheMismatchError(f'cannot use the cache directory {directory}: '
-                               f'{e.strerror or e}') from e
+    problem = diskcache.folder_problem(directory)  # 'a file, not a folder', not 'File exists'
+    if problem:
+      raise CacheMismatchError(f'cannot use the cache directory {directory}: {problem}')
     self.path = os.path.join(directory, ENTRIES)
     self._lock_path, self._lock, self.fd = os.path.join(directory, LOCK), None, -1
     self._claim()

@@ -109,7 +109,8 @@ def check_batch(batch_size: int, plan: Plan) -> None:
   per = plan.replicas * plan.micro_batches
   if batch_size % per:
     raise PlanError(f'batch size {batch_size} is not divisible by replicas x micro-batches '
-                    f'= {plan.replicas} x {plan.micro_batches} = {per}; use a multiple of {per}')
+                    f'= {plan.replicas} x {plan.micro_batches} = {per}; change train.batch_size or '
+                    f'pipeline.micro_batches')
 
 
 def stage_param_specs(stage_params: Params) -> Params:

@@ -600,7 +600,9 @@ def test_directory_of_another_run_is_refused_or_cleared(tmp_path):
   manifest.write_text(good)
   blocked = tmp_path / 'blocked'
   blocked.write_text('a file where the cache directory would be')
-  with pytest.raises(CacheMismatchError, match=f'cannot use the cache directory {blocked}'):
+  with pytest.raises(CacheMismatchError,
+                     match=f'^cannot use the cache directory {blocked}: it is a file, not a '
+                           f'folder$'):
     make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, directory=str(blocked))
   lines = []
   cache = make_cache(tmp_path, num_samples=12, disk_bytes=1 << 20, identity='run-b',

@@ -170,17 +170,24 @@ def test_a_data_set_tfds_cannot_read_names_where_it_looked(monkeypatch, tmp_path
 
   tfds = types.SimpleNamespace(data_source=refuse)
   monkeypatch.delenv('TFDS_DATA_DIR', raising=False)
-  for data_dir, where in ((str(tmp_path), str(tmp_path)), ('', 'the default data dir')):
-    with pytest.raises(datasets.DatasetMissing) as err:
-      datasets.tfds_data_source(tfds, 'imagenet2012', 'train', data_dir)
-    assert str(err.value) == (
-        f'imagenet2012 is not prepared for TFDS in {where}, or its files cannot be read '
-        f'(FileNotFoundError: no imagenet2012 in {data_dir or None}); prepare it with: tfds '
-        f'build imagenet2012 --file_format=array_record'
-        f'{" --data_dir=" + data_dir if data_dir else ""}')
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  for home in (False, True):  # the default data dir: ~/tensorflow_datasets
+    for data_dir, where in ((str(tmp_path), str(tmp_path)), ('', 'the default data dir')):
+      with pytest.raises(datasets.DatasetMissing) as err:
+        datasets.tfds_data_source(tfds, 'imagenet2012', 'train', data_dir)
+      # Where no dataset_info.json is, TFDS's error (about file formats) is left out.
+      why = ('or its files cannot be read (FileNotFoundError: no imagenet2012 in '
+             f'{data_dir or None})' if home else '(no imagenet2012/<version>/dataset_info.json)')
+      assert str(err.value) == (
+          f'imagenet2012 is not prepared for TFDS in {where}{"," * home} {why}; prepare it with: '
+          f'tfds build imagenet2012 --file_format=array_record'
+          f'{" --data_dir=" + data_dir if data_dir else ""}')
+    for root in (tmp_path, tmp_path / 'home' / 'tensorflow_datasets'):  # a copy TFDS cannot read
+      (root / 'imagenet2012' / '5.1.0').mkdir(parents=True, exist_ok=True)
+      (root / 'imagenet2012' / '5.1.0' / 'dataset_info.json').write_text('{}')
   monkeypatch.setenv('TFDS_DATA_DIR', str(tmp_path / 'tfds'))
   with pytest.raises(datasets.DatasetMissing, match=re.escape(
-      f'imagenet2012 is not prepared for TFDS in $TFDS_DATA_DIR={tmp_path / "tfds"}, or')):
+      f'imagenet2012 is not prepared for TFDS in $TFDS_DATA_DIR={tmp_path / "tfds"} (no ')):
     datasets.tfds_data_source(tfds, 'imagenet2012', 'train', '')
 
 
