@@ -956,6 +956,49 @@ def test_a_host_caches_only_its_own_samples(tmp_path):
   cache.close()
 
 
+def test_sharded_batch_ids_match_its_epochs():
+  """What a ShardedLoader plans (the cache's prefetch reads those IDs ahead)
+  is what its epochs serve: from a mid-epoch start, shards joined in order."""
+  source = ArraySource({'x': np.arange(45) * 10})
+  for local in ((0,), (1,), (0, 1)):
+    for shuffle in (True, False):
+      for drop in (True, False):
+        loader = ShardedLoader(source, 8, shards=2, local_shards=local, seed=3,
+                               shuffle=shuffle, drop_remainder=drop)
+        for start in (0, 2):
+          served = list(loader.epoch(1, start))
+          planned = loader.batch_ids(1, start)
+          assert len(served) == len(planned) == loader.steps_per_epoch() - start
+          for (ids, batch), want in zip(served, planned, strict=True):
+            np.testing.assert_array_equal(ids, want)
+            np.testing.assert_array_equal(batch['x'], want * 10)
+  both = ShardedLoader(source, 8, shards=2, local_shards=(0, 1), seed=3)
+  alone = [ShardedLoader(source, 8, shards=2, local_shards=(s,), seed=3) for s in (0, 1)]
+  for ids, a, b in zip(both.batch_ids(0), alone[0].batch_ids(0), alone[1].batch_ids(0),
+                       strict=True):
+    np.testing.assert_array_equal(ids, np.concatenate([a, b]))  # shard 0's part first
+
+
+def test_local_shards_out_of_range_are_refused():
+  source = ArraySource({'x': np.arange(20)})
+  for local in ((2,), (-1,), ()):
+    with pytest.raises(ValueError, match=r'local shards .* are not in \[0, 2\)'):
+      ShardedLoader(source, 8, shards=2, local_shards=local, drop_remainder=False)
+
+
+def test_every_seed_and_epoch_draws_its_own_order():
+  """Seeds are independent: seed s at epoch e + 1 is not seed s + 1 at epoch
+  e (a seed + epoch stream would make them shifted copies), and host subsets
+  follow the seed."""
+  source = ArraySource({'x': np.arange(50)})
+  orders = {tuple(Loader(source, 5, seed=seed).order(epoch)) for seed in range(4)
+            for epoch in range(4)}
+  assert len(orders) == 16
+  assert sorted(orders.pop()) == list(range(50))
+  subsets = [tuple(host_subset(50, 0, 2, seed)) for seed in range(4)]
+  assert len(set(subsets)) == 4
+
+
 def test_loader_batch_ids_match_its_epochs():
   source = ArraySource({'x': np.arange(23) * 10})
   for loader in (Loader(source, 5, seed=2), Loader(source, 5, shuffle=False,

@@ -59,8 +59,37 @@ def test_an_argmin_equal_to_the_alpha_count_keeps_the_real_valued_bound():
   policy = freeze.FreezePolicy('pipetransformer', 8, 0.3)
   d = policy.decide(np.array([5.0, 0.1, 3, 3, 3, 3, 3, 3]))  # bound 2.4 → 2; argmin 1 → 2
   assert (d.result, d.argmin, d.bound) == (2, 1, pytest.approx(2.4))
+  assert d.alpha_bound == pytest.approx(2.4)  # the real-valued α term, logged as it was
   d = policy.decide(np.array([0.0, 0.0, 3, 3, 3, 3, 3, 0.1]))  # 2.4 + 0.3·5.6 = 4.08 → 4
   assert (d.result, d.argmin, d.bound) == (4, 7, pytest.approx(4.08))
+  assert d.alpha_bound == pytest.approx(4.08)
+
+
+def test_tied_norms_freeze_up_to_the_first_smallest_block():
+  """Eq. 1's argmin takes the first of equal norms (blocks whose gradient is
+  exactly 0, say): the deepest would freeze more than the norms justify."""
+  d = freeze.FreezePolicy('pipetransformer', 8, 0.5).decide(np.ones(8))
+  assert (d.argmin, d.result) == (0, 1)
+  d = freeze.FreezePolicy('pipetransformer', 8, 0.5).decide(np.array([2.0, 1, 3, 1, 1, 3, 3, 3]))
+  assert (d.argmin, d.result) == (1, 2)
+
+
+def test_a_resumed_policy_keeps_the_real_valued_bound():
+  """A checkpoint's freeze state (JSON) restores the fractional α bound: a
+  resumed run follows Fig. 4's curve as the uninterrupted run does (a bound
+  restored as the integer F lags: L = 24, α = 0.2 gives 13 at T = 4, not 14)."""
+  import json  # noqa: PLC0415
+  for timesteps in range(1, 5):
+    policy = freeze.FreezePolicy('schedule', 24, 0.2)
+    for _ in range(timesteps):
+      policy.decide(None)
+    restored = freeze.FreezePolicy('schedule', 24, 0.2)
+    restored.state = freeze.FreezeState.from_dict(json.loads(json.dumps(policy.state.to_dict())))
+    assert restored.state.bound == pytest.approx(24 * (1 - 0.8 ** timesteps))
+    got = [restored.decide(None).result for _ in range(7 - timesteps)]
+    assert got == freeze.schedule_curve(24, 0.2, 7)[timesteps + 1:]
+    assert got == [min(x, 23) for x in [math.floor(24 * (1 - 0.8 ** t) + 1e-9)
+                                        for t in range(timesteps + 1, 8)]]
 
 
 def test_argmin_at_first_active_layer_freezes_one_more():

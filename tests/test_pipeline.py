@@ -189,6 +189,8 @@ def test_backwards_of_their_own_micro_batches_without_fused_cells(monkeypatch, k
 
 @pytest.mark.parametrize('name,make,message', [
     ('short', lambda k, m: schedule_lib.gpipe(k, m - 1), 'micro-batch 3 never runs on stage 0'),
+    # One too many: micro-batch M's index would be clamped to M-1 (trained twice).
+    ('long', lambda k, m: schedule_lib.gpipe(k, m + 1), 'is outside [0, 4)'),
     ('narrow', lambda k, m: schedule_lib.gpipe(1, m),
      "schedule 'narrow' made a table of 1 stages for a pipeline of length 2")])
 def test_a_registered_schedule_that_does_not_fit_the_plan_is_refused(monkeypatch, name, make,

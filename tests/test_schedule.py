@@ -74,6 +74,20 @@ def test_validator_rejects_violated_dependencies():
     S.validate(S.Schedule('bad', np.where(ops == 2, 7, ops).astype(np.int8), mb))
 
 
+def test_a_micro_batch_beyond_the_count_is_refused():
+  """A table made for M + 1 micro-batches, validated for M: micro-batch M is
+  out of range (an executor indexing it would clamp it to M - 1)."""
+  with pytest.raises(S.ScheduleError, match=r'^micro-batch 3 at tick \d+, stage 0 is outside '
+                                            r'\[0, 3\)$'):
+    S.validate(S.gpipe(2, 4), 3)
+  with pytest.raises(S.ScheduleError, match=r'micro-batch -1 at tick 0, stage 0 is outside'):
+    ops, mb = _by_hand_1f1b_k2_m3()
+    mb = mb.copy()
+    mb[0, 0] = -1
+    S.validate(S.Schedule('bad', ops, mb))
+  S.validate(S.gpipe(2, 3), 3)
+
+
 def test_deadlocking_orders_are_rejected():
   with pytest.raises(S.ScheduleError, match='deadlocks'):
     S.from_orders('x', [[(S.BWD, 0), (S.FWD, 0)], [(S.FWD, 0), (S.BWD, 0)]])
