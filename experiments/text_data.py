@@ -97,6 +97,16 @@ def glue_task(name: str) -> tuple[str, GlueTask]:
   return task, GLUE_TASKS[task]
 
 
+def _tokenizer_cached(name: str) -> bool:
+  """Whether the local HF cache holds a tokenizer file of hub name ``name``."""
+  from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+  try:
+    return any(isinstance(try_to_load_from_cache(name, file), str)
+               for file in ('tokenizer.json', 'vocab.txt', 'tokenizer_config.json'))
+  except ValueError:  # not a valid repository name
+    return False
+
+
 def load_tokenizer(path: str):
   """The fast HF tokenizer of a model directory or HF cache name."""
   if not path:
@@ -112,6 +122,14 @@ def load_tokenizer(path: str):
   try:
     tokenizer = AutoTokenizer.from_pretrained(path, use_fast=True)
   except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions too
+    if path.startswith(('/', '.', '~')) and not os.path.exists(os.path.expanduser(path)):
+      raise TextConfigError(f'cannot load a tokenizer from {path!r}: no such directory') from e
+    if not os.path.isdir(path) and not _tokenizer_cached(path):
+      raise TextConfigError(
+          f'cannot load a tokenizer from {path!r}: it is no local directory, and the local HF '
+          f'cache holds no tokenizer of that name ({type(e).__name__}); download the model '
+          f'into the HF cache where the Hub can be reached (huggingface-cli download {path}) '
+          f'or give a local directory') from e
     detail = distributed.first_line(str(e)) or type(e).__name__
     raise TextConfigError(f'cannot load a tokenizer from {path!r}: {detail} (a model '
                           f'without one needs --config.model.tokenizer=<dir>)') from e

@@ -640,9 +640,13 @@ def test_bad_input_is_one_line(tmp_path, module, args, message):
 @pytest.mark.parametrize('overrides,message', [
     ({'model.pretrained': '', 'model.tokenizer': ''}, 'a BERT run needs a tokenizer'),
     ({'model.pretrained': '', 'model.tokenizer': '/nonexistent/tok'},
-     "cannot load a tokenizer from '/nonexistent/tok'"),
+     "cannot load a tokenizer from '/nonexistent/tok': no such directory"),
     ({'model.pretrained': '/nonexistent/bert', 'model.tokenizer': ''},
-     "cannot load a tokenizer from '/nonexistent/bert'"),
+     "cannot load a tokenizer from '/nonexistent/bert': no such directory"),
+    # A hub name the local HF cache does not hold (the Hub cannot be reached here).
+    ({'model.pretrained': 'pipejax-test/no-such-model', 'model.tokenizer': ''},
+     "cannot load a tokenizer from 'pipejax-test/no-such-model': it is no local directory, and "
+     "the local HF cache holds no tokenizer of that name ("),
     ({'model.pretrained': '/nonexistent/bert'}, "cannot load pretrained model from '/nonexistent"),
     ({'model.pretrained': '', 'model.tokenizer': os.path.dirname(os.path.abspath(__file__))},
      "holds no tokenizer (tokenizer.json or vocab.txt)"),
