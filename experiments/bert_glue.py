@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from pipejax import runtime
 
+if __name__ == '__main__':
+  runtime.quiet_interrupt()  # a Ctrl-C while it starts: one line
 runtime.setup(8)
 
 # pylint: disable=wrong-import-position

@@ -11,6 +11,22 @@ import warnings
 from typing import Iterator, NoReturn
 
 
+def quiet_interrupt() -> None:
+  """A Ctrl-C that none of the command's handlers catches (while it starts:
+  its imports, reading its flags) ends it with one line, ``interrupted``,
+  and exit code 130, instead of a traceback. For an entry point run as
+  ``__main__``, before its heavy imports."""
+  previous = sys.excepthook
+
+  def hook(kind, value, traceback):
+    if issubclass(kind, KeyboardInterrupt):
+      print('interrupted', file=sys.stderr, flush=True)
+      return  # Python then ends the process by SIGINT: exit code 130
+    previous(kind, value, traceback)
+
+  sys.excepthook = hook
+
+
 def setup(cpu_devices: int = 8) -> None:
   """Prepares the process for JAX; must run before ``import jax``.
 

@@ -1505,3 +1505,23 @@ def test_a_workdir_in_use_by_a_live_run_is_refused_and_freed_when_it_dies(tmp_pa
     config.train.epochs = 2
   assert elastic.main(config, workdir, task='vit') == 0
   assert [r['epoch'] for r in _rows(workdir)] == [0, 1]
+
+
+def test_a_ctrl_c_while_an_entry_point_starts_is_one_line():
+  """Before training (its own handlers) an entry point's imports and flags
+  run unguarded: a Ctrl-C there ends it with one line and exit code 130, not
+  a traceback; other errors keep theirs."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for module in ('vit_imagenet', 'bert_glue', 'bert_squad', 'plain_dp'):
+    source = open(os.path.join(root, 'experiments', f'{module}.py')).read()
+    assert source.index('runtime.quiet_interrupt()') < source.index('runtime.setup(8)'), module
+  code = ('import signal, sys\nfrom pipejax import runtime\nruntime.quiet_interrupt()\n'
+          'if sys.argv[1] == "ctrl-c":\n  signal.raise_signal(signal.SIGINT)\n'
+          'raise ValueError("a bug")\n')
+  for what in ('ctrl-c', 'bug'):
+    done = subprocess.run([sys.executable, '-c', code, what], cwd=root, capture_output=True,
+                          text=True, timeout=60)
+    if what == 'ctrl-c':
+      assert done.returncode in (130, -signal.SIGINT) and done.stderr == 'interrupted\n'
+    else:
+      assert done.returncode == 1 and 'Traceback' in done.stderr and 'a bug' in done.stderr
