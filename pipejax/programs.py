@@ -191,6 +191,7 @@ class ProgramStore:
     self._lock = threading.Lock()  # the counters: the main and the compile-ahead thread
     backend = jax.devices()[0]
     self.executables_loaded = self.executables_unusable = self.executables_not_kept = 0
+    self._write_failed = False  # said once: a read-only store fails every write alike
     self._identity = hashlib.sha256(json.dumps(
         {'code': code_fingerprint(), 'versions': diskcache.versions(_LIBRARIES),
          'xla_flags': os.environ.get('XLA_FLAGS', ''), 'platform': backend.platform,
@@ -422,7 +423,10 @@ class ProgramStore:
     try:
       diskcache.write_atomic(path, lambda f: f.write(entry), binary=True, sync=False)
     except OSError as e:
-      self.log(f'program store: cannot write {path} ({e}); {consequence}')
+      if not self._write_failed:
+        self._write_failed = True
+        self.log(f'program store: cannot write {path} ({e}); {consequence} (said once: '
+                 f'the other programs of this run are not kept either)')
       return False
     return True
 

@@ -285,6 +285,10 @@ def test_the_program_written_nowhere_is_reported_once(tmp_path, monkeypatch):
   assert int(compiled(state, batch)[0]['step']) == 1
   assert len(messages) == 1 and 'cannot write' in messages[0], messages
   assert os.listdir(tmp_path) == []
+  # A second program of the run: not said again (a run has dozens).
+  store.compile('step', ('k2',), _spec((state, batch)), _build([], _salt()),
+                donate_argnums=(0,))
+  assert len(messages) == 1 and 'said once' in messages[0], messages
 
 
 def _damaged(data: bytes, damage: str) -> bytes:
