@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import datetime
 import difflib
+import errno
 import json
 import math
 import os
@@ -586,7 +587,7 @@ def _move(names: list[str], source: str, target: str | None) -> None:
       pass  # not empty (the user's files stay), or none
 
 
-def _start_over(workdir: str) -> bool:
+def _start_over(workdir: str, checkpoints_enabled: bool = True) -> bool:
   """Moves a previous run's outputs (:func:`_outputs`) out of ``workdir``
   for ``--config.resume=False``, into ``workdir/replaced``:
   :func:`_drop_replaced` removes them once the new run has a finished
@@ -621,10 +622,19 @@ def _start_over(workdir: str) -> bool:
   os.makedirs(fresh)
   _set_phase(fresh, 'moving')
   os.rename(fresh, replaced)  # appears marked, or not at all
-  _move(outputs, workdir, replaced)
+  try:
+    _move(outputs, workdir, replaced)
+  except OSError as e:
+    if e.errno != errno.EXDEV:
+      raise
+    # The caller puts back what moved (_recover).
+    raise ConfigError(f'cannot start over in {workdir}: {e.filename} is on another file '
+                      f'system than {replaced} (a link?), and starting over moves the run\'s '
+                      f'outputs there; move them out yourself, or use another --workdir') from e
   _set_phase(replaced, 'replaced')
   _log(f'starting over in {workdir} (--config.resume=False): moved {", ".join(shown)} to '
-       f'{replaced}, removed once this run has a checkpoint')
+       f'{replaced}, removed once this run ' +
+       ('has a checkpoint' if checkpoints_enabled else 'has finished'))
   return True
 
 
@@ -682,6 +692,14 @@ def _recover(workdir: str, resume_: bool = True) -> None:
     return
   replaced, phase = state
   # A finished checkpoint, or (checkpoints off) a summary, is the later run's.
+  if phase in ('replaced', 'clearing'):
+    # What clearing removes is the later run's: another program's step folder
+    # is refused, as starting over refuses it.
+    try:
+      checkpoints.check_own(workdir)
+    except checkpoints.CheckpointError as e:
+      raise ConfigError(f'{e}; {replaced} keeps the outputs of the run that a start over '
+                        f'replaced, to be put back once it is gone') from e
   if phase == 'replaced' and (checkpoints.has_finished(workdir) or
                               os.path.exists(os.path.join(workdir, 'summary.json'))):
     if not _drop_replaced(workdir):
@@ -754,16 +772,20 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
     # Rows of a run without checkpoints (checkpoint.enabled=False, plain_dp;
     # rows written before pipejax said so have no 'checkpointed').
     unsaved = any(r.get('checkpointed') is False for r in rows)
-    if rows and (aside or finished or unsaved):
+    # Only the last row's save may have been cut short (each save waits for
+    # the one before): a checkpointed row before it had a checkpoint, since gone.
+    gone = any(r.get('checkpointed') for r in rows[:-1])
+    if rows and (aside or finished or unsaved or gone):
       # A finished run's results, those of a run whose checkpoints could not
-      # be read, or of one that wrote none: never dropped without
+      # be read or are gone, or of one that wrote none: never dropped without
       # --config.resume=False. (Rows without any of these are a crash's before
       # its first checkpoint was complete: the same command redoes them.)
       raise checkpoints.CheckpointError(
           f'{workdir} holds {len(rows)} metrics rows of an earlier run but no readable '
           f'checkpoint (' + (f'set aside as unreadable: {", ".join(aside)}' if aside else
                              'that run finished without checkpoints' if finished else
-                             'that run wrote none: checkpoint.enabled=False, or plain_dp')
+                             'that run wrote none: checkpoint.enabled=False, or plain_dp'
+                             if unsaved else 'its checkpoints are gone')
           + '); use another --workdir, or --config.resume=False to start over')
     dropped = reporting.keep_rows(workdir, 0)
     if dropped:
@@ -863,6 +885,10 @@ def _claim_workdir(workdir: str, checkpoints_enabled: bool, held: contextlib.Exi
   checks that it is one folder for all of them, before anything is written
   there. Collective with several processes."""
   check_workdir(workdir, checkpoints_enabled)
+  served = os.path.join(workdir, 'sample_ids')  # a sharded run's (_write_served_ids), at its end
+  if os.path.lexists(served) and not os.path.isdir(served):
+    raise ConfigError(f'cannot use --workdir={workdir}: {served} is a file, where a run over '
+                      f'data shards writes its folder sample_ids')
   lock_workdir(workdir, held, _log)
   distributed.check_shared_folder(workdir)
 
@@ -974,7 +1000,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
       if not config.resume:
         # Process 0 moves; the others wait before their orbax lists the steps.
         try:
-          moved = _start_over(workdir)
+          moved = _start_over(workdir, config.checkpoint.enabled)
         except BaseException:
           _recover(workdir)  # a move stopped halfway: undone
           raise
@@ -1051,8 +1077,6 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
             raise
           # The cause first (a full disk stops both the save and the move back).
           raise ConfigError(f'{failure}; then {e}') from failure
-      elif replacing[0]:  # trained to the end without checkpoints
-        _drop_replaced(workdir)
   if isinstance(train_loader, ShardedLoader):
     _write_served_ids(workdir, train_loader, eval_loader, trainer.prefix.local_stats())
   rows = result['rows']
@@ -1085,6 +1109,8 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
     # nothing and writes nothing), so it comes last.
     reporting.plot_summary(workdir, rows, plot_title)
     reporting.write_summary(workdir, summary)
+  if replacing[0]:  # trained to the end without checkpoints: finished once its summary is
+    _drop_replaced(workdir)
   resumed = (f' ({process_seconds:.1f}s in this process)' if trainer.seconds_before else '')
   _log(f'done in {summary["total_seconds"]:.1f}s{resumed}: final eval accuracy '
        f'{summary["final_eval_accuracy"]:.4f} (best {summary["best_eval_accuracy"]:.4f}); '

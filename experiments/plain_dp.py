@@ -64,9 +64,12 @@ def _run(config, workdir: str, held: contextlib.ExitStack) -> dict:
   # A folder whose outputs' paths are free (before training, not after it).
   elastic.check_workdir(workdir, checkpoints_enabled=False)
   elastic.lock_workdir(workdir, held)
-  if os.path.exists(os.path.join(workdir, 'metrics.jsonl')):
-    raise elastic.ConfigError(f'{workdir} already holds a run (metrics.jsonl); choose another '
-                              f'--workdir')
+  for name in ('metrics.jsonl', 'checkpoints', elastic.REPLACED):
+    # replaced/: a main-job start over's, which plain_dp's summary.json would
+    # make the next main-job run take for finished (and remove).
+    if os.path.lexists(os.path.join(workdir, name)):
+      raise elastic.ConfigError(f'{workdir} already holds a run ({name}); choose another '
+                                f'--workdir')
   if config.train.batch_size % len(devices):
     raise elastic.ConfigError(f'train.batch_size={config.train.batch_size} does not split over '
                               f'the {len(devices)} devices')

@@ -96,9 +96,11 @@ class FolderLock:
       os.close(fd)
       raise
     try:  # who holds it, for the message of a refused run: a courtesy only
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, f'pid {os.getpid()} on {socket.gethostname()}, since '
-                    f'{datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n'.encode(), 0)
+      held = os.pread(fd, 4, 0)
+      if held in (b'', b'pid '):  # a file of the user's by that name is locked, not rewritten
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f'pid {os.getpid()} on {socket.gethostname()}, since '
+                      f'{datetime.datetime.now():%Y-%m-%d %H:%M:%S}\n'.encode(), 0)
     except OSError:  # a full disk, a read-only file: the lock holds all the same
       pass
     self._fd: int | None = fd

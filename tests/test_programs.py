@@ -780,3 +780,12 @@ def test_a_folder_lock_excludes_a_second_holder_and_survives_a_failed_name_write
     diskcache.FolderLock(path)
   second.release()
   diskcache.FolderLock(path).release()  # nothing kept it: no descriptor left holding it
+  monkeypatch.undo()
+  # A file of the user's by that name is locked as it is, never rewritten.
+  mine = tmp_path / 'notes.lock'
+  mine.write_text('my notes\n')
+  third = diskcache.FolderLock(str(mine))
+  with pytest.raises(diskcache.InUseError):
+    diskcache.FolderLock(str(mine))
+  third.release()
+  assert mine.read_text() == 'my notes\n'

@@ -563,6 +563,22 @@ def test_plain_dp_trains_the_same_model_as_the_pipeline(tmp_path):
   assert [r['checkpointed'] for r in rows[0] + rows[1]] == [False] * len(rows[0] + rows[1])
 
 
+@pytest.mark.parametrize('held', ['metrics.jsonl', 'checkpoints', 'replaced'])
+def test_plain_dp_refuses_a_workdir_holding_a_main_job_run(tmp_path, held):
+  """Its summary.json would mark a main-job start over's new run finished,
+  and the next main-job run would then remove the old one (replaced/)."""
+  from experiments import elastic, plain_dp  # noqa: PLC0415
+  workdir = tmp_path / 'w'
+  workdir.mkdir()
+  if held == 'metrics.jsonl':
+    (workdir / held).write_text('')
+  else:
+    (workdir / held).mkdir()
+  with pytest.raises(elastic.ConfigError, match=rf'already holds a run \({held}\)'):
+    plain_dp.run(_tiny_config(), str(workdir))
+  assert sorted(os.listdir(workdir)) == sorted([held, elastic.LOCK_FILE])
+
+
 def test_plain_dp_evaluates_the_samples_the_main_job_does_with_a_growing_batch(tmp_path):
   """With batch_mode=per_pipeline the main job's evaluation batch is 4 × its
   starting global batch, B·R₀ (R₀ = 8/4 here), and a train.max_steps_per_epoch

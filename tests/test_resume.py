@@ -712,6 +712,117 @@ def test_starting_over_moves_the_runs_outputs_aside_and_back(tmp_path):
   assert _files(workdir) == before
 
 
+def test_putting_a_replaced_run_back_never_removes_another_programs_step_folder(tmp_path):
+  """A start over ended before its first checkpoint (replaced/ keeps the old
+  run); then a step folder of another program's appears in checkpoints/.
+  Putting the old run back clears the later run's outputs: it refuses in one
+  line instead, resuming or starting over, and removes nothing."""
+  workdir = str(tmp_path / 'run')
+  _finished_run(workdir)
+  elastic._start_over(workdir)
+  _leftovers(workdir)
+  theirs = os.path.join(workdir, 'checkpoints', '200')
+  os.makedirs(os.path.join(theirs, 'default'))
+  with open(os.path.join(theirs, 'default', 'array.bin'), 'w') as f:
+    f.write('theirs')
+  before = _files(workdir)
+  for resume_ in (True, False):
+    with pytest.raises(elastic.ConfigError, match=(
+        rf"^{re.escape(theirs)} is not a pipejax checkpoint .*; {re.escape(workdir)}/replaced "
+        rf"keeps the outputs of the run that a start over replaced, to be put back once it is "
+        rf"gone$")):
+      elastic._recover(workdir, resume_)
+    assert _files(workdir) == before
+  shutil.move(theirs, str(tmp_path / 'theirs'))
+  elastic._recover(workdir)  # now it goes back
+  assert not os.path.exists(os.path.join(workdir, 'replaced'))
+  assert open(os.path.join(workdir, 'metrics.jsonl')).read().count('"train_loss": 1.0') == 1
+
+
+def test_a_start_over_across_file_systems_is_one_line_and_moves_nothing(tmp_path, monkeypatch):
+  """checkpoints/ linked to another file system: the move into replaced/
+  fails (EXDEV); one line says why, and what moved is put back."""
+  workdir = str(tmp_path / 'run')
+  _finished_run(workdir)
+  before = _files(workdir)
+  real = os.replace
+
+  def across(src, dst):
+    if os.sep + 'checkpoints' in src:
+      raise OSError(errno.EXDEV, 'Invalid cross-device link', src, dst)
+    return real(src, dst)
+
+  monkeypatch.setattr(elastic.os, 'replace', across)
+  with pytest.raises(elastic.ConfigError, match=(
+      rf"^cannot start over in {re.escape(workdir)}: {re.escape(workdir)}/checkpoints/1 is on "
+      rf"another file system than {re.escape(workdir)}/replaced \(a link\?\)")):
+    try:
+      elastic._start_over(workdir)
+    except BaseException:
+      elastic._recover(workdir)  # as the run does
+      raise
+  monkeypatch.undo()
+  assert _files(workdir) == before
+
+
+def test_a_file_named_sample_ids_is_refused_before_training(tmp_path):
+  """A run over data shards writes sample_ids/ at its end: a file by that name
+  failed it there, after training, every time."""
+  import contextlib  # noqa: PLC0415
+  (tmp_path / 'sample_ids').write_text('mine')
+  with contextlib.ExitStack() as held, pytest.raises(elastic.ConfigError, match=(
+      rf'^cannot use --workdir={re.escape(str(tmp_path))}: .*sample_ids is a file, where a run '
+      rf'over data shards writes its folder sample_ids$')):
+    elastic._claim_workdir(str(tmp_path), True, held)
+  assert (tmp_path / 'sample_ids').read_text() == 'mine'
+
+
+def test_rows_whose_checkpoints_are_gone_are_refused_not_dropped(tmp_path):
+  """Without a checkpoint, rows are dropped only as a crash's before its
+  first checkpoint: a checkpointed row before the last proves one existed
+  (each save waits for the one before), so the rows are refused, kept."""
+  workdir = str(tmp_path)
+  log = reporting.MetricsLog(workdir)
+  for epoch in range(3):
+    log.append({'epoch': epoch, 'train_loss': 1.0, 'checkpointed': True})
+  before = open(log.path).read()
+  with pytest.raises(checkpoints.CheckpointError, match=(
+      r'holds 3 metrics rows of an earlier run but no readable checkpoint \(its checkpoints '
+      r'are gone\); use another --workdir, or --config.resume=False')):
+    elastic._resume(workdir, None, checkpoints.Checkpoints(workdir), {})
+  assert open(log.path).read() == before
+  # One row, its save cut short: the same command redoes it.
+  os.remove(log.path)
+  log.append({'epoch': 0, 'train_loss': 1.0, 'checkpointed': True})
+  elastic._resume(workdir, None, checkpoints.Checkpoints(workdir), {})
+  assert reporting.read_rows(workdir) == []
+
+
+def test_a_start_over_without_checkpoints_keeps_the_old_run_until_its_summary(tmp_path,
+                                                                               monkeypatch):
+  """checkpoint.enabled=False: the new run is finished once its summary is
+  written; a failure before (a full disk while drawing) puts the old run back
+  at the next start, instead of leaving neither."""
+  workdir = str(tmp_path / 'run')
+  profile = str(tmp_path / 'p.json')
+  off = {'train.epochs': 1, 'train.max_steps_per_epoch': 2, 'checkpoint.enabled': False}
+  elastic.run(_config(profile, **off), workdir, task='vit')
+  first = open(os.path.join(workdir, 'summary.json')).read()
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(reporting, 'plot_summary', full)
+  with pytest.raises(OSError, match='No space left'):
+    elastic.run(_config(profile, **off, resume=False), workdir, task='vit')
+  assert os.path.isdir(os.path.join(workdir, 'replaced'))  # kept
+  monkeypatch.undo()
+  with pytest.raises(elastic.ConfigError, match='checkpoint.enabled=False cannot resume'):
+    elastic.run(_config(profile, **off), workdir, task='vit')  # the old run is back: finished
+  assert open(os.path.join(workdir, 'summary.json')).read() == first
+  assert not os.path.exists(os.path.join(workdir, 'replaced'))
+
+
 def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, monkeypatch):
   """The moves are journaled: a kill after any one of them, starting over or
   putting back, leaves what the next run's recovery puts together again."""
