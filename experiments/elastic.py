@@ -699,7 +699,7 @@ def _recover(workdir: str, resume_: bool = True) -> None:
       checkpoints.check_own(workdir)
     except checkpoints.CheckpointError as e:
       raise ConfigError(f'{e}; {replaced} keeps the outputs of the run that a start over '
-                        f'replaced, to be put back once it is gone') from e
+                        f'replaced') from e
   if phase == 'replaced' and (checkpoints.has_finished(workdir) or
                               os.path.exists(os.path.join(workdir, 'summary.json'))):
     if not _drop_replaced(workdir):
@@ -801,7 +801,8 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
                                   if dropped else ''))
   held = {r['epoch'] for r in reporting.read_rows(workdir)}
   missing = [e for e in range(finished) if e not in held]
-  if missing:  # emptied or removed by hand: gone before this run, said, not made up
+  if missing and jax.process_index() == 0:  # emptied or removed by hand: said, not made up
+    # (process 0 alone rewrote the rows: the others may read them before it)
     shown = ', '.join(map(str, missing[:5])) + (', ...' if len(missing) > 5 else '')
     _log(f'note: {os.path.join(workdir, "metrics.jsonl")} lacks the rows of {len(missing)} '
          f'epoch{"s" * (len(missing) > 1)} the checkpoint has trained ({shown}): the rows '
@@ -1386,12 +1387,16 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     print(f'error: {_command_line_error(e, argv, config_file)}', file=sys.stderr)
     return None
   loaded = config_flags.get_config_filename(flags.FLAGS['config'])  # the dict, for a user's
-  if isinstance(loaded, str) and os.path.realpath(loaded) != os.path.realpath(config_file):
-    try:  # a file named another way (a --flagfile): held against the keys all the same
+  try:
+    if isinstance(loaded, str) and os.path.realpath(loaded) != os.path.realpath(config_file):
+      # a file named another way (a --flagfile): held against the keys all the same
       _hold_against(flags.FLAGS.config, loaded, config_file)
-    except ConfigError as e:
-      print(f'error: {e}', file=sys.stderr)
-      return None
+      _check_kinds(flags.FLAGS.config, loaded, config_file)
+    elif given is not None and os.path.realpath(given) != os.path.realpath(config_file):
+      _check_kinds(flags.FLAGS.config, given, config_file)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return None
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
     raise SystemExit(0)
@@ -1476,11 +1481,32 @@ def _same_kind(value, default) -> bool:
   """Whether a config file's ``value`` has the type of the command's
   ``default`` (an int where a float is the default is one too, a bool never
   an int), as the command line's ``--config.KEY=VALUE`` is parsed."""
+  if default is None:
+    return True
   if isinstance(default, bool) or isinstance(value, bool):
     return isinstance(value, bool) and isinstance(default, bool)
   if isinstance(default, float):
     return isinstance(value, (int, float))
-  return type(value) is type(default) or default is None
+  return type(value) is type(default)
+
+
+def _check_kinds(config, given: str, config_file: str) -> None:
+  """Refuses (:class:`ConfigError`, one line) a value of the configuration
+  ``config``, read from the user's ``--config`` file ``given`` and the
+  command line's overrides, of another type than the command's default
+  (``config_file``'s): a str batch size, a placeholder left unset. Run once
+  the overrides are applied (they may fill a placeholder)."""
+  known = dict(config_keys.flat(_load_config_file(config_file)))
+  ours = dict(config_keys.flat(config))
+  wrong = [(key, ours[key]) for key in known
+           if key in ours and not _same_kind(ours[key], known[key])]
+  if wrong:
+    key, value = wrong[0]
+    more = len(wrong) - 1
+    raise ConfigError(f'the --config file {given} sets {key} to {value!r:.60} '
+                      f'({_a(type(value).__name__)}), where this command takes '
+                      f'{_a(type(known[key]).__name__)} (default: {known[key]!r})' +
+                      (f' (and {more} more such key{"s" * (more > 1)})' if more else ''))
 
 
 def _hold_against(config, given: str, config_file: str) -> None:
@@ -1516,15 +1542,6 @@ def _hold_against(config, given: str, config_file: str) -> None:
   if typos:
     raise ConfigError(f'the --config file {given} sets {", ".join(map(named, typos))}, which '
                       f'this command does not have (--help lists the keys)')
-  wrong = [(key, ours[key]) for key in known
-           if key in ours and not _same_kind(ours[key], known[key])]
-  if wrong:
-    key, value = wrong[0]
-    more = len(wrong) - 1
-    raise ConfigError(f'the --config file {given} sets {key} to {value!r:.60} '
-                      f'({_a(type(value).__name__)}), where this command takes '
-                      f'{_a(type(known[key]).__name__)} (default: {known[key]!r})' +
-                      (f' (and {more} more such key{"s" * (more > 1)})' if more else ''))
   if unknown:
     _log(f'note: the --config file {given} sets {len(unknown)} reference'
          f'{"s" * (len(unknown) > 1)} that this command does not read itself: '

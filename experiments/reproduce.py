@@ -539,6 +539,8 @@ from experiments import elastic
 parsed = elastic.parse_command_line(vit_imagenet.__file__, ['reproduce', *sys.argv[1:]])
 if parsed is None:
   sys.exit(2)
+if parsed[0].distributed.coordinator:
+  sys.exit(0)  # a job's devices are its hosts': the runs check them once they join
 import jax
 try:
   elastic.check_config(parsed[0], len(jax.devices()))
@@ -554,11 +556,14 @@ def check_settings(passthrough: list[str]) -> str | None:
   ``--config`` arguments every run gets, in a child process (the main
   job's flags and devices), before DIR is written: a bad value refused by
   the first run left a DIR that the same command, corrected, refused."""
-  proc = run_child([sys.executable, '-c', _CHECK, *passthrough])
+  # No persistent compilation cache: nothing is compiled, and the user's stays untouched.
+  env = {**os.environ, 'PIPEJAX_COMPILATION_CACHE': ''}
+  proc = run_child([sys.executable, '-c', _CHECK, *passthrough], env=env)
   if proc.returncode == 0:
     return None
   lines = proc.stderr.strip().splitlines()
-  return lines[-1] if lines else f'error: the settings check failed ({proc.returncode})'
+  last = lines[-1] if lines else f'the settings check failed ({proc.returncode})'
+  return last if last.startswith('error:') else f'error: {last}'
 
 
 def main(argv=None) -> int:

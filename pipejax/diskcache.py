@@ -90,6 +90,8 @@ class FolderLock:
         holder = os.pread(fd, 512, 0).decode(errors='replace').strip()
       except OSError:
         holder = ''
+      # The holder's line; a file of the user's by that name is not shown.
+      holder = holder.splitlines()[0] if holder.startswith('pid ') else ''
       os.close(fd)
       raise InUseError(holder or 'a process that is starting') from None
     except BaseException:

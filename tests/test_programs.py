@@ -785,7 +785,8 @@ def test_a_folder_lock_excludes_a_second_holder_and_survives_a_failed_name_write
   mine = tmp_path / 'notes.lock'
   mine.write_text('my notes\n')
   third = diskcache.FolderLock(str(mine))
-  with pytest.raises(diskcache.InUseError):
+  with pytest.raises(diskcache.InUseError) as refused:
     diskcache.FolderLock(str(mine))
+  assert str(refused.value) == 'a process that is starting'  # not the file's lines
   third.release()
   assert mine.read_text() == 'my notes\n'

@@ -591,9 +591,6 @@ def test_plain_dp_evaluates_the_samples_the_main_job_does_with_a_growing_batch(t
   replicas = config.pipeline.devices // config.pipeline.initial_length
   summary = plain_dp.run(config, str(tmp_path / 'dp'))
   assert summary['eval_batch_size'] == 4 * config.train.batch_size * replicas
-  (row,) = [json.loads(line) for line in open(tmp_path / 'dp' / 'metrics.jsonl')]
-  assert row['eval_accuracy'] * summary['eval_batch_size'] == pytest.approx(
-      round(row['eval_accuracy'] * summary['eval_batch_size']))
 
 
 def test_the_benchmarks_refuse_a_bad_workdir_or_setting_before_any_training(tmp_path):

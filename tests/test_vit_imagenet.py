@@ -921,3 +921,15 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
   assert refused('types.py', wrong) == (
       f"error: the --config file {tmp_path / 'types.py'} sets pipeline.micro_batches to None (a "
       f"NoneType), where this command takes an int (default: 0) (and 1 more such key)\n")
+  # A placeholder the command line fills is the type it is filled with.
+  held = source.replace("  c.pipeline.micro_batches = 0",
+                        "  c.pipeline.micro_batches = ml_collections.config_dict.placeholder(int)")
+  assert 'placeholder(int)' in held
+  (tmp_path / 'held.py').write_text(held)
+  out = subprocess.run([sys.executable, '-m', 'experiments.vit_imagenet',
+                        f'--config={tmp_path / "held.py"}', '--config.pipeline.micro_batches=4',
+                        '--help'], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and '\n  --config.pipeline.micro_batches=4\n' in out.stdout, out.stderr
+  assert refused('held.py', held) == (
+      f"error: the --config file {tmp_path / 'held.py'} sets pipeline.micro_batches to None (a "
+      f"NoneType), where this command takes an int (default: 0)\n")
