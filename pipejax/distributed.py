@@ -30,6 +30,7 @@ waiting in their next collective until the heartbeat times out.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import hashlib
 import json
@@ -324,10 +325,13 @@ def pipeline_span(devices: Sequence) -> int:
   greatest common divisor of the processes' device counts (a pipeline
   length fits every process, :func:`check_pipeline_length`, where it
   divides this, for ``devices`` ordered by process)."""
-  per_process: dict[int, int] = {}
-  for d in devices:
-    per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+  per_process = _devices_per_process(devices)
   return len(devices) if len(per_process) == 1 else math.gcd(*per_process.values())
+
+
+def _devices_per_process(devices: Sequence) -> dict[int, int]:
+  """How many of ``devices`` each process has, by process index."""
+  return dict(collections.Counter(d.process_index for d in devices))
 
 
 def check_pipeline_length(pipeline_length: int, devices: Sequence) -> None:
@@ -335,15 +339,14 @@ def check_pipeline_length(pipeline_length: int, devices: Sequence) -> None:
   ``pipeline_length`` consecutive ``devices`` (one replica's stages) lies in
   one process."""
   from pipejax.pipeline import PlanError  # noqa: PLC0415 - pipeline imports this module
-  per_process: dict[int, int] = {}
-  for d in devices:
-    per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+  per_process = _devices_per_process(devices)
   if len(per_process) == 1:
     return
   local = min(per_process.values())
   rows = [devices[i:i + pipeline_length] for i in range(0, len(devices), pipeline_length)]
   if any(len({d.process_index for d in row}) > 1 for row in rows):
-    fitting = [k for k in range(1, local + 1) if all(n % k == 0 for n in per_process.values())]
+    span = math.gcd(*per_process.values())  # as pipeline_span: what divides every count
+    fitting = [k for k in range(1, span + 1) if span % k == 0]
     raise PlanError(f'pipeline length {pipeline_length} does not fit in one process '
                     f'({local} devices per process; the stage axis must stay inside a host); '
                     f'use one of {fitting}')
