@@ -97,14 +97,9 @@ def glue_task(name: str) -> tuple[str, GlueTask]:
   return task, GLUE_TASKS[task]
 
 
-def _tokenizer_cached(name: str) -> bool:
-  """Whether the local HF cache holds a tokenizer file of hub name ``name``."""
-  from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
-  try:
-    return any(isinstance(try_to_load_from_cache(name, file), str)
-               for file in ('tokenizer.json', 'vocab.txt', 'tokenizer_config.json'))
-  except ValueError:  # not a valid repository name
-    return False
+#: The files of which a model directory or HF cache entry holds at least one
+#: where it has a tokenizer.
+TOKENIZER_FILES = ('tokenizer.json', 'vocab.txt', 'tokenizer_config.json')
 
 
 def load_tokenizer(path: str):
@@ -114,8 +109,8 @@ def load_tokenizer(path: str):
                           'dir or HF cache name> (weights and tokenizer), or '
                           '--config.model.tokenizer=<dir> for a randomly initialised preset')
   from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import kept local
-  if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in (
-      'tokenizer.json', 'vocab.txt', 'tokenizer_config.json')):
+  if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name))
+                                     for name in TOKENIZER_FILES):
     # transformers would fail with "'NoneType' object has no attribute 'endswith'"
     raise TextConfigError(f'{path!r} holds no tokenizer (tokenizer.json or vocab.txt); '
                           f'--config.model.tokenizer=<dir> names a folder that does')
@@ -124,7 +119,8 @@ def load_tokenizer(path: str):
   except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions too
     if path.startswith(('/', '.', '~')) and not os.path.exists(os.path.expanduser(path)):
       raise TextConfigError(f'cannot load a tokenizer from {path!r}: no such directory') from e
-    if not os.path.isdir(path) and not _tokenizer_cached(path):
+    import models  # noqa: PLC0415 - heavy import kept local
+    if not os.path.isdir(path) and not models.in_hf_cache(path, TOKENIZER_FILES):
       raise TextConfigError(
           f'cannot load a tokenizer from {path!r}: it is no local directory, and the local HF '
           f'cache holds no tokenizer of that name ({type(e).__name__}); download the model '

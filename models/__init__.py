@@ -140,17 +140,20 @@ def has_flax_weights(path: str) -> bool | None:
   import os  # noqa: PLC0415
   if os.path.isdir(path):
     return any(os.path.exists(os.path.join(path, name)) for name in FLAX_WEIGHTS)
+  if in_hf_cache(path, FLAX_WEIGHTS):
+    return True
+  # Not a valid repository name either: from_pretrained says what it is.
+  return False if in_hf_cache(path, PT_WEIGHTS) else None
+
+
+def in_hf_cache(name: str, files: tuple[str, ...]) -> bool:
+  """Whether the local HF cache holds one of ``files`` of the hub name
+  ``name`` (False for a name that is no valid repository name)."""
   from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
-
-  def cached(names):
-    return any(isinstance(try_to_load_from_cache(path, name), str) for name in names)
-
   try:
-    if cached(FLAX_WEIGHTS):
-      return True
-    return False if cached(PT_WEIGHTS) else None
-  except ValueError:  # not a valid repository name: from_pretrained says what it is
-    return None
+    return any(isinstance(try_to_load_from_cache(name, file), str) for file in files)
+  except ValueError:  # not a valid repository name
+    return False
 
 
 #: Weights a checkpoint may lack, freshly initialised from the seed: the task
