@@ -268,32 +268,23 @@ def test_a_json_file_that_is_no_profile_is_left_as_it_is(tmp_path):
                    f"configuration digest and holds no micro-batch record); it is left as it "
                    f"is; the micro-batch counts are kept for this run only"]
   assert config.read_bytes() == before
-  # Nor is a file that does not start as a JSON object does: notes, a JSON
-  # array, a binary file.
-  for name, content in (('notes.txt', b'my notes\n'), ('list.json', b' [1, 2]'),
-                        ('image.png', b'\x89PNG\r\n\x1a\n\x00')):
+  # Nor is a file that does not start as a JSON object does (notes, a JSON
+  # array, a binary file), nor JSON lines, such as another run's metrics.jsonl
+  # (they were moved away as a damaged profile, and that run's rows with them).
+  not_an_object = 'it does not start as a JSON object does'
+  rows = ''.join(json.dumps({'epoch': e, 'train_loss': 1.0 / (e + 1)}) + '\n' for e in range(3))
+  for name, content, why in (
+      ('notes.txt', b'my notes\n', not_an_object), ('list.json', b' [1, 2]', not_an_object),
+      ('image.png', b'\x89PNG\r\n\x1a\n\x00', not_an_object),
+      ('metrics.jsonl', rows.encode(), 'more follows its first JSON object: JSON lines?')):
     other = tmp_path / name
     other.write_bytes(content)
     lines.clear()
     kept = autopipe.MicroBatchProfile(str(other), {'model': 'x'}, log=lines.append)
     assert kept.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)[0] == 8
-    assert lines == [f'{other} is not a micro-batch profile (it does not start as a JSON object '
-                     f'does); it is left as it is; the micro-batch counts are kept for this run '
-                     f'only'], name
+    assert lines == [f'{other} is not a micro-batch profile ({why}); it is left as it is; the '
+                     f'micro-batch counts are kept for this run only'], name
     assert other.read_bytes() == content and not os.path.exists(f'{other}.corrupt')
-  # Nor are JSON lines, such as another run's metrics.jsonl (they were moved
-  # away as a damaged profile, and that run's rows with them).
-  rows = tmp_path / 'metrics.jsonl'
-  rows.write_text(''.join(json.dumps({'epoch': e, 'train_loss': 1.0 / (e + 1)}) + '\n'
-                          for e in range(3)))
-  content = rows.read_bytes()
-  lines.clear()
-  kept = autopipe.MicroBatchProfile(str(rows), {'model': 'x'}, log=lines.append)
-  assert kept.choose(4, [4, 8], {4: 0.2, 8: 0.1}.get)[0] == 8
-  assert lines == [f'{rows} is not a micro-batch profile (more follows its first JSON object: '
-                   f'JSON lines?); it is left as it is; the micro-batch counts are kept for this '
-                   f'run only']
-  assert rows.read_bytes() == content and not os.path.exists(f'{rows}.corrupt')
   # A damaged profile is set aside and written anew, said in one line too.
   damaged = tmp_path / 'profile.json'
   damaged.write_text('{corrupt')
