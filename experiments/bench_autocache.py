@@ -30,7 +30,8 @@ from pipejax.autocache import ActivationCache
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog='python -m experiments.bench_autocache', description=__doc__.split('\n\n')[0])
+  p = argparse.ArgumentParser(prog='python -m experiments.bench_autocache',
+                              description=__doc__.split('\n\n')[0])
   p.add_argument('--workdir', required=True, type=os.path.expanduser,
                  help='where bench_autocache.json goes')
   p.add_argument('--batch', type=int, default=64)

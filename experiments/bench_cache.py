@@ -181,8 +181,9 @@ def _forward_saved(summary: dict, rows: list[dict]) -> float:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m experiments.bench_cache', description=__doc__.split('\n\n')[0],
-      epilog='Other arguments (--config.KEY=VALUE) go to every run.')
+  parser = argparse.ArgumentParser(prog='python -m experiments.bench_cache',
+                                   description=__doc__.split('\n\n')[0],
+                                   epilog='Other arguments (--config.KEY=VALUE) go to every run.')
   parser.add_argument('--workdir', required=True, type=os.path.expanduser)
   parser.add_argument('--no-warmup', action='store_true',
                       help='skip the unreported warm-up runs')

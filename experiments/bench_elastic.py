@@ -109,8 +109,9 @@ def verdict_over_pairs(pairs: list[dict], ratio: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m experiments.bench_elastic', description=__doc__.split('\n\n')[0],
-      epilog='Other arguments (--config.KEY=VALUE) go to every run.')
+  parser = argparse.ArgumentParser(prog='python -m experiments.bench_elastic',
+                                   description=__doc__.split('\n\n')[0],
+                                   epilog='Other arguments (--config.KEY=VALUE) go to every run.')
   parser.add_argument('--workdir', required=True, type=os.path.expanduser)
   parser.add_argument('--repeats', type=int, default=3, help='pairs of runs (default 3)')
   parser.add_argument('--no-warmup', action='store_true',

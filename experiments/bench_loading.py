@@ -60,7 +60,8 @@ class JpegSource:
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog='python -m experiments.bench_loading', description=__doc__.split('\n\n')[0])
+  p = argparse.ArgumentParser(prog='python -m experiments.bench_loading',
+                              description=__doc__.split('\n\n')[0])
   p.add_argument('--workdir', required=True, type=os.path.expanduser,
                  help='where bench_loading.json goes')
   p.add_argument('--images', type=int, default=256, help='images read per round')

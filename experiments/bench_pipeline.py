@@ -23,7 +23,8 @@ from pipejax import diskcache, runtime, schedule
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog='python -m experiments.bench_pipeline', description=__doc__.split('\n\n')[0])
+  p = argparse.ArgumentParser(prog='python -m experiments.bench_pipeline',
+                              description=__doc__.split('\n\n')[0])
   p.add_argument('--workdir', required=True, type=os.path.expanduser,
                  help='where bench_pipeline.json goes')
   p.add_argument('--layers', type=int, default=8, help='ViT blocks')
