@@ -1,8 +1,15 @@
 """Every test sees 8 fake CPU devices: set before JAX is imported anywhere."""
 import os
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=8').strip()
+# Compiling is most of a test's time on a cold cache (its models are tiny):
+# XLA:CPU compiles at LLVM's -O0, which halves the compile time. The programs
+# are the same; only their machine code is slower. (Turning XLA:CPU's fusion
+# emitters off as well would compile faster still, but then the two pipeline
+# exchanges round differently, and the tests that hold them bit for bit fail.)
+# Children started by tests inherit these flags (``fixtures.xla_flags``).
+COMPILE_FAST = '--xla_backend_optimization_level=0'
+os.environ['XLA_FLAGS'] = ' '.join([COMPILE_FAST, os.environ.get('XLA_FLAGS', ''),
+                                    '--xla_force_host_platform_device_count=8'])
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')

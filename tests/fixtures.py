@@ -3,6 +3,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,14 @@ TINY = {
                  intermediate_size=32, max_position_embeddings=16, type_vocab_size=2,
                  num_labels=3),
 }
+
+
+def xla_flags(devices: int) -> str:
+  """This session's ``XLA_FLAGS`` (the compile flags ``conftest`` sets) with
+  ``devices`` fake CPU devices, for a child process."""
+  flag = '--xla_force_host_platform_device_count'
+  rest = re.sub(rf'{flag}=\d+', '', os.environ.get('XLA_FLAGS', '')).split()
+  return ' '.join(rest + [f'{flag}={devices}'])
 
 
 @functools.lru_cache(maxsize=None)
