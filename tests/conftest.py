@@ -2,7 +2,7 @@
 import os
 
 # Compiling is most of a test's time on a cold cache (its models are tiny):
-# XLA:CPU compiles at LLVM's -O0, which halves the compile time. The programs
+# XLA:CPU compiles at LLVM's -O0, which takes 40% off the compile time. The programs
 # are the same; only their machine code is slower. (Turning XLA:CPU's fusion
 # emitters off as well would compile faster still, but then the two pipeline
 # exchanges round differently, and the tests that hold them bit for bit fail.)
