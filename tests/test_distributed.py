@@ -284,14 +284,20 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _job_env(devices: int) -> dict:
+  """The environment of a job's process: this repository on the path, and
+  this session's XLA flags with ``devices`` CPU devices."""
+  return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
+              XLA_FLAGS=fixtures.xla_flags(devices))
+
+
 def _launch(workdir, overrides: dict, heartbeat=10, only: dict | None = None,
             env_of: dict | None = None):
   """Starts the main job as 2 processes x 4 fake CPU devices; returns them.
   ``only``: ``{process: [arguments]}`` given to that process alone;
   ``env_of``: ``{process: {variable: value}}`` likewise."""
   port = _free_port()
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=fixtures.xla_flags(4))
+  env = _job_env(4)
   args = [f'--config.{k}={v}' for k, v in overrides.items()] + [
       f'--config.distributed.coordinator=localhost:{port}',
       '--config.distributed.num_processes=2',
@@ -511,8 +517,7 @@ def test_a_job_with_a_bad_data_name_is_refused_before_it_claims_the_workdir(tmp_
 
 @JOBS
 def test_a_process_that_cannot_join_says_so_in_one_line(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=fixtures.xla_flags(4))
+  env = _job_env(4)
   port = _free_port()  # nobody serves it: process 0 never started
   done = subprocess.run(
       [sys.executable, '-m', 'experiments.vit_imagenet', '--config.data.name=digits',
@@ -537,8 +542,7 @@ def test_a_coordinator_port_in_use_is_one_line(tmp_path):
         rf"^process 0 cannot serve the job's coordinator on port {port} "
         rf"\(distributed.coordinator='localhost:{port}'\): .*in use.*; stop what holds")):
       distributed.check_coordinator_port(f'localhost:{port}')
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-               XLA_FLAGS=fixtures.xla_flags(4))
+    env = _job_env(4)
     done = subprocess.run(
         [sys.executable, '-m', 'experiments.vit_imagenet', '--config.data.name=digits',
          f'--config.distributed.coordinator=localhost:{port}',
@@ -979,8 +983,7 @@ def test_a_folder_that_is_not_one_for_every_process_is_refused_on_all(tmp_path, 
   for folder in folders:
     folder.mkdir(exist_ok=True)
   port = _free_port()
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=fixtures.xla_flags(1))
+  env = _job_env(1)
   job = [subprocess.Popen([sys.executable, '-c', _SHARED_CHECK, str(port), str(p),
                            str(folders[p])], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -1062,8 +1065,7 @@ def test_processes_resume_from_one_checkpoint_that_all_of_them_read(tmp_path, mo
     writer.save(step, {'w': np.full((2, 3), float(step), np.float32)}, {'n': step}, wait=True)
   writer.close()
   port = _free_port()
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=fixtures.xla_flags(1))
+  env = _job_env(1)
   job = [subprocess.Popen([sys.executable, '-c', _RESTORE, str(port), str(p), str(workdir),
                            mode], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)
