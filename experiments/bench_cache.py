@@ -20,6 +20,8 @@ seconds, accuracy, cache counters, and the frozen-forward time the cache
 saved) and ``DIR/bench_cache.png``.
 
 Extra arguments are passed to every run, e.g. ``--config.train.epochs=5``.
+The main job's own checks of them run first, in a child, so a value the runs
+would refuse is refused in one line before DIR is written.
 """
 from __future__ import annotations
 
@@ -53,6 +55,51 @@ def claim_workdir(path: str) -> str | None:
   except OSError as e:
     return f'error: cannot create --workdir={path}: {e.strerror or e}'
   return None
+
+
+_CHECK = """
+import sys
+from experiments import vit_imagenet  # first: it sets up JAX's devices
+from experiments import elastic
+parsed = elastic.parse_command_line(vit_imagenet.__file__, ['check', *sys.argv[1:]])
+if parsed is None:
+  sys.exit(2)
+if parsed[0].distributed.coordinator:
+  sys.exit(0)  # a job's devices are its hosts': the runs check them once they join
+import jax
+try:
+  elastic.check_config(parsed[0], len(jax.devices()))
+  elastic.check_settings_without_data(parsed[0], 'vit')
+except elastic.ConfigError as e:
+  print(f'error: {e}', file=sys.stderr)
+  sys.exit(2)
+"""
+
+
+def check_settings(passthrough: list[str]) -> str | None:
+  """The error line (None: none) of the main job's own checks of the
+  ``--config`` arguments every run gets, in a child process (the main
+  job's flags and devices), before DIR is written: a bad value refused by
+  the first run left a DIR that the same command, corrected, refused."""
+  # No persistent compilation cache: nothing is compiled, and the user's stays untouched.
+  env = {**os.environ, 'PIPEJAX_COMPILATION_CACHE': ''}
+  proc = run_child([sys.executable, '-c', _CHECK, *passthrough], env=env)
+  if proc.returncode == 0:
+    return None
+  lines = proc.stderr.strip().splitlines()
+  last = lines[-1] if lines else f'the settings check failed ({proc.returncode})'
+  return last if last.startswith('error:') else f'error: {last}'
+
+
+def claim_checked_workdir(workdir: str, passthrough: list[str]) -> str | None:
+  """:func:`claim_workdir`, then :func:`check_settings`: the one-line error
+  (None: the workdir is claimed and the runs' settings pass). A workdir this
+  made is removed again on an error, so the corrected command runs in it."""
+  existed = os.path.exists(workdir)
+  error = claim_workdir(workdir) or check_settings(passthrough)
+  if error and not existed and os.path.isdir(workdir) and not os.listdir(workdir):
+    os.rmdir(workdir)
+  return error
 
 
 def check_positive(args, flags: tuple[str, ...]) -> None:
@@ -90,14 +137,14 @@ def freezes_nothing(passthrough: list[str]) -> bool:
 
 def start_error(workdir: str, repeats: int, passthrough: list[str],
                 without_freezing: str) -> str | None:
-  """A benchmark's argument checks, then :func:`claim_workdir`: the one-line
-  error to print (exit 2), or None with the workdir claimed.
+  """A benchmark's argument checks, then :func:`claim_checked_workdir`: the
+  one-line error to print (exit 2), or None with the workdir claimed.
   ``without_freezing`` says why ``--config.freeze.policy=none`` is refused."""
   if repeats < 1:
     return f'error: --repeats must be >= 1, got {repeats}'
   if freezes_nothing(passthrough):
     return f'error: --config.freeze.policy=none {without_freezing}; leave it out'
-  return claim_workdir(workdir)
+  return claim_checked_workdir(workdir, passthrough)
 
 
 def cpu_and_switches(who: int = resource.RUSAGE_SELF) -> tuple[float, int]:

@@ -24,7 +24,9 @@ layer passes, filling it and advancing it, still counted). Writes
 ``DIR/bench_elastic.json`` and ``DIR/bench_elastic.png``; ``--strict`` exits
 with status 1 when a criterion is not met.
 
-Extra arguments go to every run, e.g. ``--config.train.epochs=5``.
+Extra arguments go to every run, e.g. ``--config.train.epochs=5``. The main
+job's own checks of them run first, in a child, so a value the runs would
+refuse is refused in one line before DIR is written.
 """
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ import subprocess
 import sys
 import time
 
-from experiments.bench_cache import (claim_workdir, cpu_and_switches, fail, freezes_nothing,
-                                     run_child, stop_children_on_sigterm)
+from experiments.bench_cache import (claim_checked_workdir, cpu_and_switches, fail,
+                                     freezes_nothing, run_child, stop_children_on_sigterm)
 
 PARTS = ('breakdown', 'alpha', 'microbatches', 'transitions', 'table1')
 MAIN, PLAIN = 'experiments.vit_imagenet', 'experiments.plain_dp'
@@ -532,40 +532,6 @@ def microbatches(runner: Runner, workdir: str) -> dict:
     return json.load(f)
 
 
-_CHECK = """
-import sys
-from experiments import vit_imagenet  # first: it sets up JAX's devices
-from experiments import elastic
-parsed = elastic.parse_command_line(vit_imagenet.__file__, ['reproduce', *sys.argv[1:]])
-if parsed is None:
-  sys.exit(2)
-if parsed[0].distributed.coordinator:
-  sys.exit(0)  # a job's devices are its hosts': the runs check them once they join
-import jax
-try:
-  elastic.check_config(parsed[0], len(jax.devices()))
-  elastic.check_settings_without_data(parsed[0], 'vit')
-except elastic.ConfigError as e:
-  print(f'error: {e}', file=sys.stderr)
-  sys.exit(2)
-"""
-
-
-def check_settings(passthrough: list[str]) -> str | None:
-  """The error line (None: none) of the main job's own checks of the
-  ``--config`` arguments every run gets, in a child process (the main
-  job's flags and devices), before DIR is written: a bad value refused by
-  the first run left a DIR that the same command, corrected, refused."""
-  # No persistent compilation cache: nothing is compiled, and the user's stays untouched.
-  env = {**os.environ, 'PIPEJAX_COMPILATION_CACHE': ''}
-  proc = run_child([sys.executable, '-c', _CHECK, *passthrough], env=env)
-  if proc.returncode == 0:
-    return None
-  lines = proc.stderr.strip().splitlines()
-  last = lines[-1] if lines else f'the settings check failed ({proc.returncode})'
-  return last if last.startswith('error:') else f'error: {last}'
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(
       prog='python -m experiments.reproduce', description=__doc__.split('\n\n')[0],
@@ -616,12 +582,9 @@ def main(argv=None) -> int:
     print(f'error: {", ".join(clash)}; leave it out or run the other parts alone',
           file=sys.stderr)
     return 2
-  existed = os.path.exists(args.workdir)
-  error = claim_workdir(args.workdir) or check_settings(passthrough)
+  error = claim_checked_workdir(args.workdir, passthrough)
   if error:
     print(error, file=sys.stderr)
-    if not existed and os.path.isdir(args.workdir) and not os.listdir(args.workdir):
-      os.rmdir(args.workdir)  # made by claim_workdir: the same command may run again
     return 2
   runner = Runner(args.workdir, passthrough, args.compile_cache,
                   tuple(dict.fromkeys(['baseline', *variants])))

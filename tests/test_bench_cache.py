@@ -10,6 +10,15 @@ import pytest
 
 from experiments import bench_cache, bench_elastic
 
+CHECK_SETTINGS = bench_cache.check_settings
+
+
+@pytest.fixture(autouse=True)
+def _settings_pass(monkeypatch):
+  """The runs are fakes here: the settings check (a child process) passes,
+  except where a test puts the real one back."""
+  monkeypatch.setattr(bench_cache, 'check_settings', lambda passthrough: None)
+
 
 def _summary(mode):
   return {'config': {'train': {'batch_size': 8, 'batch_mode': mode}},
@@ -143,3 +152,21 @@ def test_a_stopped_benchmark_takes_its_running_run_with_it():
     (['--config.freeze.alpha=0.5'], False)])
 def test_freezes_nothing_reads_the_policy_the_runs_get(passthrough, none):
   assert bench_cache.freezes_nothing(passthrough) is none
+
+
+@pytest.mark.parametrize('module', [bench_cache, bench_elastic])
+def test_settings_the_runs_would_refuse_are_refused_before_dir_is_written(
+    module, tmp_path, capsys, monkeypatch):
+  """The main job's own checks run first, in a child: a bad value is one line,
+  before any run, and leaves no DIR behind (a DIR the user made stays)."""
+  monkeypatch.setattr(bench_cache, 'check_settings', CHECK_SETTINGS)
+  monkeypatch.setattr(module, '_run', lambda *a: pytest.fail('a run started'))
+  workdir = tmp_path / 'w'
+  assert module.main(['--workdir', str(workdir), '--config.train.batch_size=-1']) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: train.batch_size must be >= 1, got -1') and err.count('\n') == 1
+  assert not os.path.exists(workdir)
+  workdir.mkdir()
+  assert module.main(['--workdir', str(workdir), '--config.train.bacth_size=8']) == 2
+  assert "unknown config key 'train.bacth_size'" in capsys.readouterr().err
+  assert os.path.isdir(workdir) and not os.listdir(workdir)

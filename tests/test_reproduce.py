@@ -10,7 +10,7 @@ import types
 import numpy as np
 import pytest
 
-from experiments import reproduce
+from experiments import bench_cache, reproduce
 from tests import fixtures
 
 
@@ -377,7 +377,7 @@ def test_config_file_and_overrides_pass_through_to_every_run(tmp_path, monkeypat
     seen.append(passthrough)
     raise Stop
   monkeypatch.setattr(reproduce, 'Runner', runner)
-  monkeypatch.setattr(reproduce, 'check_settings', lambda passthrough: None)
+  monkeypatch.setattr(bench_cache, 'check_settings', lambda passthrough: None)
   for i, argv in enumerate((['--config', 'my.py', '--config.train.epochs=2'],
                             ['--config=my.py', '--config.train.epochs=2'])):
     with pytest.raises(Stop):
@@ -404,7 +404,7 @@ def test_settings_the_runs_would_refuse_are_refused_before_dir_is_written(tmp_pa
   assert reproduce.main(['--workdir', str(workdir), '--config.train.epochs=0']) == 2
   assert 'train.epochs must be >= 1' in capsys.readouterr().err
   assert os.path.isdir(workdir) and not os.listdir(workdir)
-  assert reproduce.check_settings([f'--config.{k}={v}' for k, v in TINY.items()]) is None
+  assert bench_cache.check_settings([f'--config.{k}={v}' for k, v in TINY.items()]) is None
 
 
 def test_refuses_a_used_workdir(tmp_path, capsys):
