@@ -103,6 +103,27 @@ def test_fp32_entries_are_exact_and_hit_the_second_epoch(tmp_path):
   assert len(first) == 4
 
 
+def test_a_fetched_batch_is_the_caller_s_own_array(tmp_path):
+  """A batch comes back in its own order, with or without repeated IDs,
+  from memory and from disk; poisoning what a fetch returned (after a miss
+  and after a hit) leaves the cached entries as they were."""
+  fake = FakePrefix(16)
+  cache = make_cache(tmp_path, num_samples=16, memory_bytes=6 * ENTRY, disk_bytes=1 << 20,
+                     prefetch_bytes=0)
+  cache.advance(2)
+  batches = [np.array([9, 2, 14, 0, 7, 3, 11, 5]), np.array([8, 8, 1, 15, 1, 4, 6, 8]),
+             np.array([13, 12, 10, 0, 9, 2, 14, 7])]
+  for _ in range(2):  # misses, then hits
+    for ids in batches:
+      got = cache.fetch(ids, fake.compute_fn(ids, 2), fake.advance_fn)
+      np.testing.assert_array_equal(got, fake.direct(ids, 2))
+      got[:] = np.nan
+  assert cache.stats()['disk_entries'] > 0  # both tiers served
+  for ids in batches:
+    np.testing.assert_array_equal(cache.fetch(ids, fake.compute_fn(ids, 2)),
+                                  fake.direct(ids, 2))
+
+
 @pytest.mark.parametrize('dtype', ['bfloat16', 'float16'])
 def test_half_precision_storage_bound(tmp_path, dtype):
   """Each stored value is the round-to-nearest of the float32 value:
