@@ -639,7 +639,9 @@ class ActivationCache:
     stored = [row.astype(self.dtype) for row in hidden]
     write = time.perf_counter() - start
     start = time.perf_counter()
-    np.stack(stored).astype(np.float32, copy=False)  # one copy, as a hit's read makes
+    read = np.zeros((len(stored),) + self.entry_shape, np.float32)
+    for i, row in enumerate(stored):  # as a hit's read (_load) copies it
+      read[i] = row
     return write, time.perf_counter() - start
 
   # -- prefetch -----------------------------------------------------------------------
