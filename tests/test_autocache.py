@@ -4,7 +4,6 @@ import dataclasses
 import errno
 import json
 import os
-import threading
 import time
 
 import jax
@@ -734,8 +733,9 @@ def _filled(tmp_path, fake, n, **kw):
   return cache
 
 
-def wait_staged(cache, ids, seconds=20.0):
-  """Waits until the prefetcher staged every disk entry of ``ids`` (or gives up)."""
+def wait_staged(cache, ids, seconds=60.0):
+  """Waits until the prefetcher staged every disk entry of ``ids`` (or gives
+  up: a guard against a hang, not a time limit)."""
   want = set(ids[cache._tier[ids] == 2].tolist())  # noqa: SLF001
   deadline = time.monotonic() + seconds
   while not want <= set(cache._staged) and time.monotonic() < deadline:  # noqa: SLF001
@@ -772,7 +772,6 @@ def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
 def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
   n = 32
   fake = FakePrefix(n)
-  threads = threading.active_count()
   cache = _filled(tmp_path, fake, n, memory_bytes=8 * ENTRY, disk_bytes=1 << 20,
                   prefetch_bytes=8 * ENTRY)
   victim = int(np.nonzero(cache._tier == 2)[0][3])  # noqa: SLF001
@@ -782,17 +781,18 @@ def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
     f.write(b'\xff\xff')
   batches = epoch_batches(n, 8, 1)
   cache.prefetch(batches)
-  deadline = time.monotonic() + 20
+  prefetcher = cache._thread  # noqa: SLF001
+  deadline = time.monotonic() + 60  # a guard against a hang
   while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
     time.sleep(0.005)
-  # Full within 20 s: batch 0 (and 1) staged.
+  # Full: batch 0 (and 1) staged.
   assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001
   cache.fetch(batches[2], fake.compute_fn(batches[2], 4))  # jumps ahead: 0 and 1 released
   ahead = np.concatenate(batches[3:])
   on_disk = int(np.sum((cache._tier[ahead] == 2) & (ahead != victim)))  # noqa: SLF001
   before = cache.stats()['prefetched']
   for ids in batches[3:]:
-    wait_staged(cache, ids[ids != victim], seconds=5.0)
+    wait_staged(cache, ids[ids != victim])
     got = cache.fetch(ids, fake.compute_fn(ids, 4))
     np.testing.assert_array_equal(got, fake.direct(ids, 4))
   assert cache.stats()['prefetched'] - before == on_disk  # read ahead, not stuck behind 0 and 1
@@ -802,7 +802,25 @@ def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
   assert cache.stats()['corrupt'] == 1
   assert cache.stats()['peak_bytes_in_memory'] <= 8 * ENTRY
   cache.close()
-  assert threading.active_count() == threads  # the prefetcher's thread ended with close()
+  assert not prefetcher.is_alive()  # the prefetcher's thread ended with close()
+
+
+def test_close_ends_a_prefetcher_that_waits_for_room(tmp_path):
+  n = 32
+  fake = FakePrefix(n)
+  cache = _filled(tmp_path, fake, n, memory_bytes=8 * ENTRY, disk_bytes=1 << 20,
+                  prefetch_bytes=8 * ENTRY)
+  batches = epoch_batches(n, 8, 1)
+  cache.prefetch(batches)
+  prefetcher = cache._thread  # noqa: SLF001
+  wait_staged(cache, batches[0])
+  deadline = time.monotonic() + 60  # a guard against a hang
+  while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
+    time.sleep(0.005)
+  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001 - full: it waits for room
+  assert prefetcher.is_alive()
+  cache.close()
+  assert not prefetcher.is_alive() and cache._staged_bytes == 0  # noqa: SLF001
 
 
 # -- errors ---------------------------------------------------------------------------

@@ -728,26 +728,48 @@ def test_another_process_s_error_ends_this_one_in_one_line(watched_job, tmp_path
   assert distributed._leaving.is_set()
 
 
-def test_a_process_that_fails_too_keeps_its_own_error(watched_job):
+def _started_watcher(monkeypatch, settle_seconds):
+  """Starts the watcher; returns its thread and an Event set once it has seen
+  a peer's failure (it then settles, waiting for this process's own error)."""
+  seen, real = threading.Event(), distributed._peer_failures
+
+  def peer_failures(client, me):
+    failures = real(client, me)
+    if failures:
+      seen.set()
+    return failures
+
+  monkeypatch.setattr(distributed, '_peer_failures', peer_failures)
+  before = set(threading.enumerate())
+  stop = distributed.watch_for_failures(None, interval_seconds=0.01,
+                                        settle_seconds=settle_seconds)
+  (thread,) = [t for t in threading.enumerate()
+               if t.name == 'pipejax-peer-failures' and t not in before]
+  return thread, seen, stop
+
+
+def test_a_process_that_fails_too_keeps_its_own_error(watched_job, monkeypatch):
   """A refusal that every process reaches together: this one's own error,
   coming within the settling time, ends it, not the peer's."""
   store, events, capfd = watched_job
-  distributed.watch_for_failures(None, interval_seconds=0.01, settle_seconds=5.0)
+  watcher, seen, _ = _started_watcher(monkeypatch, settle_seconds=0.5)
   store.key_value_set('pipejax/failed/1', 'a refusal')
-  time.sleep(0.2)  # the watcher has seen it and waits for this process's own error
+  assert seen.wait(60)  # it settles now, waiting for this process's own error
   distributed.tell_job_of_error('a refusal\nits second line')
-  time.sleep(0.2)
+  watcher.join(60)  # a guard against a hang; had it left, it would never end (watched_job)
+  assert not watcher.is_alive()  # it stopped watching: this process's own error ends it
   assert events == [] and 'process 1 failed' not in capfd.readouterr().err
   assert store.values['pipejax/failed/0'] == 'a refusal'  # told in one line
 
 
-def test_a_process_already_exiting_is_not_ended_by_the_watcher(watched_job):
+def test_a_process_already_exiting_is_not_ended_by_the_watcher(watched_job, monkeypatch):
   store, events, _ = watched_job
-  stop = distributed.watch_for_failures(None, interval_seconds=0.01, settle_seconds=0.3)
+  watcher, seen, stop = _started_watcher(monkeypatch, settle_seconds=0.3)
   store.key_value_set('pipejax/failed/1', 'late')
-  time.sleep(0.1)  # seen, settling
+  assert seen.wait(60)  # seen, settling
   stop()  # this process's exit began (atexit): its own ending wins
-  time.sleep(0.5)
+  watcher.join(60)  # a guard against a hang; had it left, it would never end (watched_job)
+  assert not watcher.is_alive()
   assert events == [] and not distributed._leaving.is_set()
 
 

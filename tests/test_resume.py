@@ -848,19 +848,28 @@ def test_a_start_over_or_its_undoing_killed_at_any_move_loses_nothing(tmp_path, 
       try:
         step(workdir)
       except _Killed:
-        pass
+        return True
+    return False
 
-  for k in range(1, 11):
-    killed_at(k, elastic._start_over)
+  k, kills = 0, {'start over': 0, 'put back': 0}
+  while True:  # every move of both, until neither has a k-th
+    k += 1
+    assert k < 100, 'the moves never end'
+    fired = killed_at(k, elastic._start_over)
+    kills['start over'] += fired
     if elastic._replaced(workdir) == (os.path.join(workdir, 'replaced'), 'replaced'):
       _leftovers(workdir)  # it completed: its run began
     elastic._recover(workdir)
     assert _files(workdir) == original, k
     elastic._start_over(workdir)
     _leftovers(workdir)
-    killed_at(k, elastic._recover)  # killed while putting back
+    fired_back = killed_at(k, elastic._recover)  # killed while putting back
+    kills['put back'] += fired_back
     elastic._recover(workdir)
     assert _files(workdir) == original, k
+    if not fired and not fired_back:
+      break
+  assert min(kills.values()) >= 3, kills  # each has moves to be killed at
 
 
 def test_a_start_over_that_fails_before_its_first_checkpoint_loses_nothing(tmp_path,
