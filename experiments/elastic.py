@@ -1362,6 +1362,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   if wants_help:
     argv = argv[:1] + [a for a in argv[1:] if a not in HELP_FLAGS]
   given, without = _config_file_argument(argv)
+  missing = []  # the keys a user's --config file lacks, said once the overrides apply
   try:
     if given is None or os.path.realpath(given) == os.path.realpath(config_file):
       # Defining the flag already reads the command line (to load the file).
@@ -1371,7 +1372,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
       # A file of the user's, completed with the command's keys before the
       # overrides apply: an override may name a key the file lacks.
       argv = without
-      config_flags.DEFINE_config_dict('config', _user_config_file(given, config_file),
+      config_flags.DEFINE_config_dict('config', _user_config_file(given, config_file, missing),
                                       'the run configuration', lock_config=True, sys_argv=argv)
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
     rest = flags.FLAGS(argv)
@@ -1397,6 +1398,9 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return None
+  if missing:
+    _note_missing(flags.FLAGS.config, given, missing,
+                  dict(config_keys.flat(_load_config_file(config_file))))
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
     raise SystemExit(0)
@@ -1448,7 +1452,7 @@ def _config_file_argument(argv: list[str]) -> tuple[str | None, list[str]]:
   return given, rest
 
 
-def _user_config_file(given: str, config_file: str):
+def _user_config_file(given: str, config_file: str, missing_out: list | None = None):
   """``get_config()`` of the user's ``--config`` file ``given``, held
   against the command's own (:func:`_hold_against`).
 
@@ -1468,7 +1472,7 @@ def _user_config_file(given: str, config_file: str):
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f'get_config() of the --config file {given} returned a '
                       f'{type(config).__name__}, not an ml_collections.ConfigDict')
-  _hold_against(config, given, config_file)
+  _hold_against(config, given, config_file, missing_out)
   return config
 
 
@@ -1509,14 +1513,16 @@ def _check_kinds(config, given: str, config_file: str) -> None:
                       (f' (and {more} more such key{"s" * (more > 1)})' if more else ''))
 
 
-def _hold_against(config, given: str, config_file: str) -> None:
+def _hold_against(config, given: str, config_file: str,
+                  missing_out: list | None = None) -> None:
   """Holds the configuration ``config`` of the user's config file ``given``
   against the command's own (``config_file``'s), in place: a key the
   command does not read is refused in one line (a typo, which would be
   ignored; with the near key), unless it is a reference that other keys
   follow (``c.get_ref``), which is named in one line; keys the file lacks
   (written for an earlier pipejax) get the command's defaults, said in one
-  line.
+  line (by the caller, once the command line's overrides apply, where
+  ``missing_out`` collects them).
 
   Raises:
     ConfigError: a key the command does not read, or a value where the
@@ -1562,9 +1568,30 @@ def _hold_against(config, given: str, config_file: str) -> None:
           raise ConfigError(f'the --config file {given} sets {group!r} to a value, where this '
                             f'command has a group of keys ({key} among them)')
       node[name] = copy.deepcopy(source[name])
+  if missing_out is None:
+    _note_missing(config, given, missing, known)
+  else:  # said once the command line's overrides apply
+    missing_out.extend(missing)
+
+
+def _note_missing(config, given: str, missing: Sequence[str], defaults: dict) -> None:
+  """One line: the keys the --config file ``given`` lacks, each with the
+  value in force (``config``): the default, or the command line's."""
+  def value(key):
+    node = config
+    for part in key.split('.'):
+      node = node[part]
+    return node
+
+  said = [f'{key}={config_keys.shown(value(key))}' for key in missing
+          if value(key) == defaults[key]]
+  overridden = [f'{key}={config_keys.shown(value(key))}' for key in missing
+                if value(key) != defaults[key]]
   _log(f'note: the --config file {given} lacks {len(missing)} key'
-       f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); the defaults are '
-       f'used: ' + ', '.join(f'{key}={config_keys.shown(known[key])}' for key in missing))
+       f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); '
+       + (f'the defaults are used: {", ".join(said)}' if said else '')
+       + ('; ' if said and overridden else '')
+       + (f'the command line sets {", ".join(overridden)}' if overridden else ''))
 
 
 def cli(config_file: str, task: str) -> int:

@@ -170,7 +170,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
   def left():
     return [t.name for t in set(threading.enumerate()) - before if t.is_alive() and not t.daemon]
 
-  deadline = time.monotonic() + 10  # the failed save's threads, given their chance to end
+  deadline = time.monotonic() + 60  # the failed save's threads, given their chance to end
   while left() and time.monotonic() < deadline:
     time.sleep(0.1)
   assert left() == []

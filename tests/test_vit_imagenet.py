@@ -877,9 +877,11 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
     assert f'\n  {line}\n' in listed, line
   # Overrides of a key the file lacks, and of the helper another key follows;
   # the file named -config F, as absl takes it too.
-  _, listed = keys('--config.train.max_grad_norm=1.5', '--config.base=0.4')
+  notes, listed = keys('--config.train.max_grad_norm=1.5', '--config.base=0.4')
   for line in ('--config.train.max_grad_norm=1.5', '--config.freeze.alpha=0.2'):
     assert f'\n  {line}\n' in listed, line
+  assert notes[1].startswith(prefix) and notes[1].endswith(
+      "distributed.process_id=0; the command line sets train.max_grad_norm=1.5")  # in force
 
   def refused(name, text):
     (tmp_path / name).write_text(text)
