@@ -157,6 +157,7 @@ def check_config(config, num_devices_available: int) -> None:
   freeze.check_config(c.freeze.policy, c.freeze.alpha,
                       max(c.model.num_layers, c.freeze.min_active_layers, 1),
                       c.freeze.min_active_layers)
+  _data_shards(c, jax.process_count())  # what the loaders need, before the data load
   if jax.process_count() > 1:
     _check_multi_process(c)
 
@@ -1125,24 +1126,33 @@ def _loaders(config, data):
   default)."""
   cap = config.train.max_steps_per_epoch
   processes = jax.process_count()
-  shards = config.distributed.data_shards or processes
+  shards = _data_shards(config, processes)
   if shards == 1 and processes == 1:
     return (Loader(data.train, config.train.batch_size, seed=config.seed, max_steps=cap),
             Loader(data.eval, config.train.batch_size, shuffle=False, drop_remainder=False,
                    max_steps=cap))
+  per = shards // processes
+  local = tuple(range(jax.process_index() * per, (jax.process_index() + 1) * per))
+  return (ShardedLoader(data.train, config.train.batch_size, shards, local, seed=config.seed,
+                        max_steps=cap),
+          ShardedLoader(data.eval, config.train.batch_size, shards, local, shuffle=False,
+                        drop_remainder=False, max_steps=cap))
+
+
+def _data_shards(config, processes: int) -> int:
+  """The data shards of a job of ``processes`` (``distributed.data_shards``,
+  or one per process), checked against the processes and the batch sizes."""
+  shards = config.distributed.data_shards or processes
+  if shards == 1 and processes == 1:
+    return shards
   if shards % processes or config.train.batch_size % shards or (
       config.train.eval_batch_size % shards):
     raise ConfigError(f'distributed.data_shards={shards} must be a multiple of the {processes} '
                       f'processes and divide train.batch_size={config.train.batch_size} '
                       f'(and train.eval_batch_size={config.train.eval_batch_size})')
-  per = shards // processes
-  local = tuple(range(jax.process_index() * per, (jax.process_index() + 1) * per))
   if config.train.batch_mode != 'constant':
     raise ConfigError('distributed.data_shards > 1 needs train.batch_mode=constant')
-  return (ShardedLoader(data.train, config.train.batch_size, shards, local, seed=config.seed,
-                        max_steps=cap),
-          ShardedLoader(data.eval, config.train.batch_size, shards, local, shuffle=False,
-                        drop_remainder=False, max_steps=cap))
+  return shards
 
 
 def _write_served_ids(workdir: str, train_loader: ShardedLoader, eval_loader: ShardedLoader,

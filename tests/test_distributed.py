@@ -197,6 +197,29 @@ def test_one_data_shard_for_several_processes_is_refused(monkeypatch):
     elastic._loaders(config, data)
 
 
+def test_data_shards_are_checked_before_the_data_load(monkeypatch, tmp_path):
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.distributed.data_shards = 3
+  with pytest.raises(elastic.ConfigError, match=r'^distributed.data_shards=3 must be a multiple '
+                                                r'of the 1 processes and divide '
+                                                r'train.batch_size=32 '):
+    elastic.check_config(config, 8)
+  monkeypatch.setattr(elastic, 'resolve_data', lambda *a: pytest.fail('the data were loaded'))
+  with pytest.raises(elastic.ConfigError, match='data_shards=3'):
+    elastic.run(config, str(tmp_path / 'w'), task='vit')
+  assert not (tmp_path / 'w').exists()
+  with config.unlocked():
+    config.distributed.data_shards, config.train.batch_mode = 2, 'per_pipeline'
+    config.train.batch_size = 8
+  with pytest.raises(elastic.ConfigError, match=r'^distributed.data_shards > 1 needs '
+                                                r'train.batch_mode=constant$'):
+    elastic.check_config(config, 8)
+  with config.unlocked():
+    config.distributed.data_shards = 0  # one shard, this process's: the plain loaders
+  elastic.check_config(config, 8)
+
+
 @pytest.mark.parametrize('key,value,message', [
     ('coordinator', 'localhost', "must be 'host:port' or 'auto'"),
     ('coordinator', 'localhost:99999', r"coordinator='localhost:99999': the port must be in "
