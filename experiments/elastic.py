@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import models
 from experiments import config_keys, datasets, text_data, text_eval
-from pipejax import (autopipe, checkpoints, diskcache, distributed, freeze, frozen_prefix,
+from pipejax import (autodp, autopipe, checkpoints, diskcache, distributed, freeze, frozen_prefix,
                      pipeline, reporting, resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import DataReadError, Loader, ShardedLoader
@@ -132,6 +132,15 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f'train.batch_size={c.train.batch_size} must be a multiple of the {n} '
                       f'devices (the frozen prefix and evaluation split it over all of them)')
   check_batch_for_freezing(c, n)  # the plans after a freeze (the trainer checks it too)
+  if c.pipeline.micro_batches:  # the first plan's R x M (later plans fit M to their batch)
+    r = autodp.replicas_for(n, c.pipeline.initial_length, c.pipeline.autodp)
+    batch = autodp.global_batch_size(c.train.batch_size, r, c.train.batch_mode)
+    if batch % (r * c.pipeline.micro_batches):
+      raise ConfigError(f'the global batch {batch} (train.batch_size={c.train.batch_size}) is '
+                        f'not divisible by replicas x micro-batches = {r} x '
+                        f'{c.pipeline.micro_batches} at pipeline.initial_length='
+                        f'{c.pipeline.initial_length}; change train.batch_size or '
+                        f'pipeline.micro_batches')
   if c.train.eval_batch_size < 0 or c.train.eval_batch_size % n:
     raise ConfigError(f'train.eval_batch_size={c.train.eval_batch_size} must be 0 (4 x the '
                       f'global batch) or a multiple of the {n} devices')

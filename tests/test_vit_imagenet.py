@@ -383,7 +383,8 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     (['--config.pipeline.initial_length=3'], 'initial_length=3 does not divide the 8 devices'),
     (['--config.train.batch_size=60'], 'batch_size=60 must be a multiple of the 8 devices'),
     (['--config.pipeline.micro_batches=24'],
-     'batch size 32 is not divisible by replicas x micro-batches = 1 x 24 = 24'),
+     'the global batch 32 (train.batch_size=32) is not divisible by replicas x micro-batches = '
+     '1 x 24 at pipeline.initial_length=8'),
     (['--config.train.batch_size=4096'], 'training samples; lower train.batch_size'),
     (['--config.train.eval_batch_size=12'],
      'train.eval_batch_size=12 must be 0 (4 x the global batch) or a multiple of the 8 devices'),
@@ -833,6 +834,28 @@ def test_check_config_refuses_a_batch_a_compressed_pipeline_cannot_split():
   with config.unlocked():
     config.train.batch_size, config.freeze.policy = 5, 'none'
   elastic.check_config(config, 10)  # nothing freezes: no frozen forward to split
+
+
+def test_check_config_refuses_micro_batches_the_first_plan_cannot_split():
+  """A fixed M is held against the first plan's R x M before anything loads
+  (the later plans fit M to their batch themselves)."""
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    fixtures.override(config, {'pipeline.initial_length': 4, 'pipeline.micro_batches': 32})
+  with pytest.raises(elastic.ConfigError, match=r'^the global batch 32 \(train.batch_size=32\) '
+                     r'is not divisible by replicas x micro-batches = 2 x 32 at '
+                     r'pipeline.initial_length=4; '):
+    elastic.check_config(config, 8)
+  with config.unlocked():
+    config.pipeline.micro_batches = 16
+  elastic.check_config(config, 8)
+  with config.unlocked():  # per pipeline: 32 a replica, 64 in all
+    fixtures.override(config, {'train.batch_mode': 'per_pipeline',
+                               'pipeline.micro_batches': 32, 'freeze.policy': 'none'})
+  elastic.check_config(config, 8)
+  with config.unlocked():  # one pipeline, the other devices idle
+    fixtures.override(config, {'train.batch_mode': 'constant', 'pipeline.autodp': False})
+  elastic.check_config(config, 8)
 
 
 def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
