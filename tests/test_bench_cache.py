@@ -86,6 +86,8 @@ def test_each_variant_is_its_median_run_and_is_compared_with_the_uncached_median
     assert rows[variant]['forward_seconds_saved'] == pytest.approx(
         2 * total / 100 + 2 * total / 50)
   assert rows['off']['forward_seconds_saved'] == 0.0
+  assert rows['always']['cache_counters'] == {'cache_hits': 32}  # the last row's
+  assert rows['off']['cache_counters'] == {'cache_hits': 0}
   # With an even count the faster of the two middle runs stands for the variant.
   assert bench_cache.main(['--workdir', str(tmp_path / 'c'), '--repeats', '2',
                            '--no-warmup']) == 0
