@@ -1432,6 +1432,12 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
         '' if require_workdir else ' (leave it out for a fresh folder under ./runs)'),
           file=sys.stderr)
     return None
+  if flags.FLAGS.workdir and flags.FLAGS.workdir.startswith('-'):
+    # `--workdir --config.KEY=V`: absl takes the next flag as the folder
+    print(f'error: --workdir took {flags.FLAGS.workdir!r} as its folder, which looks like a '
+          f'flag; give the folder, --workdir=DIR (a folder whose name starts with - as '
+          f'./{flags.FLAGS.workdir})', file=sys.stderr)
+    return None
   if require_workdir and not flags.FLAGS.workdir:
     print('error: --workdir=DIR is required', file=sys.stderr)
     return None

@@ -428,6 +428,8 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     (['--config.data.name=synthetic', '--config.data.image_size=1000000'],
      'data.image_size=1000000: the synthetic images do not fit in memory; use a smaller one'),
     (['--workdir='], '--workdir is empty (leave it out for a fresh folder under ./runs)'),
+    (['--workdir', '--config.train.epochs=1'],
+     "--workdir took '--config.train.epochs=1' as its folder, which looks like a flag"),
     (['--config.seed=-1'], 'seed must be in [0, 2**32), got -1'),
     (['--config.model.dropout=2'], 'model.dropout must be in [0, 1), got 2'),
     (['--config.model.patch_size=3'], 'the patch size 3 (model.patch_size) must divide the '
