@@ -793,6 +793,8 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
       raise checkpoints.CheckpointError(
           f'{workdir} holds {len(rows)} metrics rows of an earlier run but no readable '
           f'checkpoint (' + (f'set aside as unreadable: {", ".join(aside)}' if aside else
+                             'its checkpoints are gone' if finished and any(
+                                 r.get('checkpointed') for r in rows) else
                              'that run finished without checkpoints' if finished else
                              'that run wrote none: checkpoint.enabled=False, or plain_dp'
                              if unsaved else 'its checkpoints are gone')

@@ -545,6 +545,18 @@ def test_a_finished_run_without_checkpoints_is_not_restarted_over_its_results(tm
     config.resume = False  # starting over is asked for
   elastic.run(config, workdir, task='vit')
   assert len(_rows(workdir)) == 1
+  # That run, finished with checkpoints, whose checkpoints were then removed.
+  steps = os.path.join(workdir, 'checkpoints')
+  assert [r['checkpointed'] for r in _rows(workdir)] == [True] and os.listdir(steps)
+  for name in os.listdir(steps):
+    shutil.rmtree(os.path.join(steps, name))
+  before = {name: open(os.path.join(workdir, name), 'rb').read() for name in before}
+  with config.unlocked():
+    config.resume = True
+  with pytest.raises(checkpoints.CheckpointError, match=r'no readable checkpoint \(its '
+                                                        r'checkpoints are gone\)'):
+    elastic.run(config, workdir, task='vit')
+  assert {name: open(os.path.join(workdir, name), 'rb').read() for name in before} == before
 
 
 def test_rows_of_a_stopped_run_without_checkpoints_are_not_dropped(tmp_path):
