@@ -40,7 +40,7 @@ class MetricsError(ValueError):
 
 def read_rows(workdir: str) -> list[dict[str, Any]]:
   """The rows of ``workdir/metrics.jsonl`` (none if it does not exist; a
-  torn last line, from a crash while writing, is ignored).
+  torn last line, from a crash while writing, and blank lines are ignored).
 
   Raises:
     MetricsError: the file cannot be read, or a line is not a row with an
@@ -57,13 +57,16 @@ def read_rows(workdir: str) -> list[dict[str, Any]]:
   except (OSError, UnicodeDecodeError) as e:
     raise MetricsError(f'cannot read {path}: {e}') from e
   rows = []
+  last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
   for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue  # a blank line (an editor's save): no row
     try:
       row = json.loads(line)
     except json.JSONDecodeError:
       row = None
     if not isinstance(row, dict) or not isinstance(row.get('epoch'), int):
-      if number == len(lines) and row is None:
+      if number == last and row is None:
         break  # torn by a crash while writing
       raise MetricsError(f'{path} line {number} is not a metrics row ({line[:40]!r}); repair '
                          f'or move the file, use another --workdir, or --config.resume=False '
