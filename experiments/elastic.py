@@ -1571,6 +1571,11 @@ def _hold_against(config, given: str, config_file: str,
     return isinstance(node._fields.get(name), ml_collections.FieldReference)  # noqa: SLF001
 
   unknown = [key for key in ours if key not in known]
+  for key in unknown:
+    inside = next((k for k in known if k.startswith(key + '.')), None)
+    if inside is not None:  # e.g. c.train = 5
+      raise ConfigError(f'the --config file {given} sets {key!r} to a value, where this '
+                        f'command has a group of keys ({inside} among them)')
   typos = [key for key in unknown if not is_reference(key)]
   if typos:
     raise ConfigError(f'the --config file {given} sets {", ".join(map(named, typos))}, which '

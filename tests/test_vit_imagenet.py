@@ -923,6 +923,11 @@ def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
       f"error: the --config file {tmp_path / 'typo.py'} sets 'train.learning_rte' (did you "
       f"mean 'train.learning_rate'?), which this command does not have (--help lists the "
       f"keys)\n")
+  group = ('import ml_collections\n\n\ndef get_config():\n'
+           '  return ml_collections.ConfigDict({"train": 5})\n')
+  assert refused('group.py', group) == (
+      f"error: the --config file {tmp_path / 'group.py'} sets 'train' to a value, where this "
+      f"command has a group of keys (train.batch_mode among them)\n")
   assert refused('broken.py', 'def get_config():\n  return 1 / 0\n') == (
       f"error: cannot load the --config file {tmp_path / 'broken.py'}: ZeroDivisionError: "
       f"division by zero\n")
