@@ -30,7 +30,8 @@ def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False
   (the caches, which are rebuilt when lost, skip it).
 
   Raises:
-    Whatever ``write`` or the file system raises; the temporary file is
+    Whatever ``write`` or the file system raises (an ``OSError`` that names
+    no file, or the temporary one, names ``path``); the temporary file is
     removed first and ``path`` is left as it was.
   """
   tmp = f'{path}.{uuid.uuid4().hex}.tmp'
@@ -41,6 +42,11 @@ def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+  except OSError as e:
+    remove(tmp)
+    if e.errno is not None and e.filename in (None, tmp):  # e.g. a full disk: name the file
+      raise OSError(e.errno, e.strerror, path) from e  # (of the same subclass, by errno)
+    raise
   except BaseException:
     remove(tmp)
     raise

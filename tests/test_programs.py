@@ -701,9 +701,12 @@ def test_write_atomic_replaces_whole_or_leaves_the_old_file(tmp_path, sync):
     f.write('half of the new')
     raise OSError(28, 'No space left on device')
 
-  with pytest.raises(OSError, match='No space'):
+  with pytest.raises(OSError, match='No space') as e:
     diskcache.write_atomic(path, fails, sync=sync)
+  assert str(e.value) == f"[Errno 28] No space left on device: '{path}'"  # the file, named
   assert open(path).read() == 'old'
+  with pytest.raises(FileNotFoundError, match=str(tmp_path / 'gone')):  # errno's subclass
+    diskcache.write_atomic(str(tmp_path / 'gone' / 'state.json'), fails, sync=sync)
   assert sorted(os.listdir(tmp_path)) == ['state.json']
   diskcache.write_atomic(path, lambda f: f.write(b'\x00new'), binary=True, sync=sync)
   assert open(path, 'rb').read() == b'\x00new'
