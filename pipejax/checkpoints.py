@@ -19,10 +19,12 @@ checks the layout against the target and the arrays against the crc32 saved
 with them (key :data:`CHECKSUMS`: orbax keeps none, and reads changed bytes
 as values), then unpacks; a checkpoint that fails the check is set aside like
 an unreadable one. A checkpoint written unpacked (by several processes, or by
-pipejax before packing) restores as before, unchecked.
+pipejax before packing) restores as before, unchecked. The meta carries a
+crc32 of its own (key :data:`META_CHECKSUM`), checked on every restore.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -43,6 +45,10 @@ PACKED = 'packed_state'
 #: The meta key of a packed state's checksums: ``{dtype name: crc32 of its
 #: flat array's bytes}`` (see :func:`checksums`).
 CHECKSUMS = 'packed_state_crc32'
+#: The meta key of the meta's own checksum: the crc32 of the rest of it as
+#: canonical JSON (see :func:`meta_checksum`). A value changed on disk that
+#: still parses (a flipped digit) would otherwise be trained from.
+META_CHECKSUM = 'meta_crc32'
 
 
 #: The items of a pipejax checkpoint (:meth:`Checkpoints.save`).
@@ -128,6 +134,12 @@ def checksums(packed: dict[str, np.ndarray]) -> dict[str, int]:
 #: learning-rate schedule's count, an int32 until per_pipeline batches made it
 #: a float32 (:func:`pipejax.trainer.optimizer_for`).
 CASTS = {('int32', 'float32')}
+
+
+def meta_checksum(meta: dict[str, Any]) -> int:
+  """The crc32 of ``meta`` as canonical JSON (sorted keys): the same for the
+  dict saved and the one read back."""
+  return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
 
 
 def layout_problem(layout: list, target: Any) -> str | None:
@@ -225,6 +237,7 @@ class Checkpoints:
     if self.packed:
       state, layout = pack(state)
       meta = {**meta, PACKED: layout, CHECKSUMS: checksums(state)}
+    meta = {**meta, META_CHECKSUM: meta_checksum(meta)}
     try:
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)))
@@ -298,16 +311,21 @@ class Checkpoints:
     """The meta saved with ``step``, the packed state's layout included.
 
     Raises:
-      ValueError: it reads, but is no object, or ``meta_problem`` finds it
-        unusable.
+      ValueError: it reads, but is no object, ``meta_problem`` finds it
+        unusable, or it fails its checksum (:data:`META_CHECKSUM`).
     """
     meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
     if not isinstance(meta, dict):
       raise ValueError(f'its meta is a {type(meta).__name__}, not an object')
+    meta = dict(meta)
+    saved = meta.pop(META_CHECKSUM, None)  # None: written before pipejax kept it
     problem = self._meta_problem(meta) if self._meta_problem else None
     if problem:
       raise ValueError(f'its meta is unusable: {problem}')
-    return dict(meta)
+    if saved is not None and saved != meta_checksum(meta):
+      raise ValueError(f'its meta differs from what was written (crc32 {meta_checksum(meta)}, '
+                       f'saved {saved})')
+    return meta
 
   def _meta(self, step: int) -> dict:
     """The meta saved with ``step``, without the packed state's layout."""

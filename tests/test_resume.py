@@ -3,6 +3,7 @@ uninterrupted one bitwise; a checkpoint of another config is refused; a
 failed or corrupt checkpoint leaves the previous one usable; signals."""
 import errno
 import json
+import pathlib
 import os
 import re
 import shutil
@@ -373,6 +374,35 @@ def test_a_checkpoint_whose_meta_lacks_what_a_resume_reads_is_set_aside(tmp_path
   assert (f"note: {workdir}/metrics.jsonl lacks the rows of 2 epochs the checkpoint has trained "
           f"(0, 1): the rows and the summary go on without them") in out, out
   assert [r['epoch'] for r in _rows(workdir)] == [2, 3]
+
+
+def test_a_checkpoint_whose_meta_changed_on_disk_is_set_aside_not_trained_from(tmp_path):
+  """A value of the meta changed after the write that still parses, and has
+  the type the trainer reads (a flipped digit): its crc32 finds it, and the
+  one before is restored. A meta written before the checksum restores."""
+  ckpt = checkpoints.Checkpoints(str(tmp_path))
+  for step in (1, 2, 3):
+    ckpt.save(step, _tiny_state(float(step)), {'n': step, 'plan': {'frozen_layers': 4}},
+              wait=True)
+  ckpt.close()
+
+  def edit(step, change):
+    path = pathlib.Path(ckpt.path(step)) / 'meta' / 'metadata'
+    meta = json.loads(path.read_text())
+    assert meta[checkpoints.META_CHECKSUM] == checkpoints.meta_checksum(
+        {k: v for k, v in meta.items() if k != checkpoints.META_CHECKSUM})  # as written
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+  edit(3, lambda meta: meta['plan'].update(frozen_layers=40))
+  edit(2, lambda meta: meta.pop(checkpoints.META_CHECKSUM))  # as pipejax wrote it before
+  lines = []
+  state, meta, path = checkpoints.Checkpoints(str(tmp_path)).restore(_abstract, lines.append)
+  assert (path, meta) == (ckpt.path(2), {'n': 2, 'plan': {'frozen_layers': 4}})
+  np.testing.assert_array_equal(state['params']['w'], np.full((4, 3), 2.0))
+  assert len(lines) == 1 and lines[0].startswith(
+      f'checkpoint {ckpt.path(3)} is unreadable (its meta differs from what was written '
+      f'(crc32 ') and f'moved to {ckpt.path(3)}.corrupt' in lines[0], lines
 
 
 def test_a_checkpoint_whose_bytes_changed_on_disk_is_set_aside_not_trained_from(tmp_path):
