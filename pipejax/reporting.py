@@ -99,15 +99,25 @@ def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None)
 
 
 def _torn(path: str) -> bool:
-  """Whether ``path`` ends in a line torn by a crash (no final newline)."""
+  """Whether ``path`` holds what :func:`read_rows` skips, which a row
+  appended after it would leave inside the file: a line torn by a crash (no
+  final newline, or a last line that is no JSON, a newline added after it by
+  hand) or blank lines."""
   try:
     with open(path, 'rb') as f:
-      if f.seek(0, os.SEEK_END) == 0:
-        return False
-      f.seek(-1, os.SEEK_END)
-      return f.read(1) != b'\n'
+      data = f.read()
   except FileNotFoundError:
     return False
+  if not data:
+    return False
+  lines = data.split(b'\n')
+  if data[-1:] != b'\n' or any(not line.strip() for line in lines[:-1]):
+    return True
+  try:
+    json.loads(lines[-2])
+  except ValueError:  # UnicodeDecodeError too: read_rows refuses such a file first
+    return True
+  return False
 
 
 def _rewrite(path: str, rows: list[dict[str, Any]]) -> None:

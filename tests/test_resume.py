@@ -1351,10 +1351,12 @@ def test_a_damaged_metrics_line_before_the_last_is_an_error_and_the_file_is_kept
   # before them is still the crash's last line.
   lines = text.splitlines()
   for blank in (lines[0] + '\n\n  \n' + '\n'.join(lines[1:]) + '\n\n\n',
-                text + '{"epoch": 3, "trai\n\n'):
+                text + '{"epoch": 3, "trai\n\n', text + '{"epoch": 3, "trai\n'):
     with open(log.path, 'w') as f:
       f.write(blank)
     assert [r['epoch'] for r in reporting.read_rows(str(tmp_path))] == [0, 1, 2]
+    reporting.MetricsLog(str(tmp_path)).append({'epoch': 3})  # resumed: rows go on after them
+    assert open(log.path).read() == text + '{"epoch": 3}\n'
 
 
 def test_metrics_rows_of_a_crash_are_kept_up_to_the_checkpoint(tmp_path):
