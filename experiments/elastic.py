@@ -166,7 +166,6 @@ def check_config(config, num_devices_available: int) -> None:
   freeze.check_config(c.freeze.policy, c.freeze.alpha,
                       max(c.model.num_layers, c.freeze.min_active_layers, 1),
                       c.freeze.min_active_layers)
-  _data_shards(c, jax.process_count())  # what the loaders need, before the data load
   if jax.process_count() > 1:
     _check_multi_process(c)
 
@@ -921,6 +920,7 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
                       'every process)')
   devices_available = len(jax.devices())
   check_config(config, devices_available)
+  _data_shards(config, jax.process_count())  # what the loaders need, before the data load
   if jax.process_count() > 1 and task in ('bert_glue', 'bert_squad'):
     # Before the data set is read and tokenized on every process.
     raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '
@@ -1434,11 +1434,12 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
         '' if require_workdir else ' (leave it out for a fresh folder under ./runs)'),
           file=sys.stderr)
     return None
-  if flags.FLAGS.workdir and flags.FLAGS.workdir.startswith('-'):
-    # `--workdir --config.KEY=V`: absl takes the next flag as the folder
-    print(f'error: --workdir took {flags.FLAGS.workdir!r} as its folder, which looks like a '
-          f'flag; give the folder, --workdir=DIR (a folder whose name starts with - as '
-          f'./{flags.FLAGS.workdir})', file=sys.stderr)
+  flag = next((argv[i + 1] for i, a in enumerate(argv[1:-1], 1)
+               if a in ('--workdir', '-workdir') and argv[i + 1].startswith('-')), None)
+  if flag is not None:  # `--workdir --config.KEY=V`: absl takes the flag as the folder
+    print(f'error: --workdir took {flag!r} as its folder, which looks like a flag; give the '
+          f'folder, --workdir DIR (or --workdir={flag} for a folder of that name)',
+          file=sys.stderr)
     return None
   if require_workdir and not flags.FLAGS.workdir:
     print('error: --workdir=DIR is required', file=sys.stderr)

@@ -137,9 +137,9 @@ CASTS = {('int32', 'float32')}
 
 
 def meta_checksum(meta: dict[str, Any]) -> int:
-  """The crc32 of ``meta`` as canonical JSON (sorted keys): the same for the
-  dict saved and the one read back."""
-  return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
+  """The crc32 of ``meta`` as canonical JSON (as read back, keys sorted): the
+  same for the dict saved and the one read back."""
+  return zlib.crc32(json.dumps(json.loads(json.dumps(meta)), sort_keys=True).encode())
 
 
 def layout_problem(layout: list, target: Any) -> str | None:
