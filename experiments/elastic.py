@@ -153,6 +153,10 @@ def check_config(config, num_devices_available: int) -> None:
   if not all(0 <= mb < math.inf for mb in (c.cache.memory_mb, c.cache.disk_mb)):  # NaN too
     raise ConfigError(f'cache.memory_mb and cache.disk_mb must be finite and >= 0, got '
                       f'{c.cache.memory_mb} and {c.cache.disk_mb}')
+  if c.cache.enabled and c.cache.disk_mb and c.cache.directory and (
+      os.path.lexists(c.cache.directory) and not os.path.isdir(c.cache.directory)):
+    raise ConfigError(f'cache.directory={c.cache.directory} is not a folder (the disk tier, '
+                      f'cache.disk_mb={c.cache.disk_mb}, keeps its entries in one)')
   if c.cache.on_mismatch not in ('refuse', 'clear'):
     raise ConfigError(f"cache.on_mismatch must be 'refuse' or 'clear', got "
                       f'{c.cache.on_mismatch!r}')
@@ -921,6 +925,9 @@ def _run(config, workdir: str | None, task: str, stop_requested: Callable[[], bo
   devices_available = len(jax.devices())
   check_config(config, devices_available)
   _data_shards(config, jax.process_count())  # what the loaders need, before the data load
+  if config.cache.enabled and config.cache.directory and not config.cache.disk_mb:
+    _log(f'note: cache.directory={config.cache.directory} is not used: cache.disk_mb=0 '
+         f'keeps the cache in memory only')
   if jax.process_count() > 1 and task in ('bert_glue', 'bert_squad'):
     # Before the data set is read and tokenized on every process.
     raise ConfigError(f'{task} evaluates on one process only (its evaluator reads whole '

@@ -444,6 +444,9 @@ def test_imagenet_images_are_prepared_by_the_pretrained_checkpoints_processor(tm
     (['--config.train.epochs=1', '--config.train.warmup_epochs=2'],
      'train.warmup_epochs=2.0 must be >= 0 and below train.epochs=1'),
     (['--workdir={tmp}/afile/run'], 'cannot use --workdir={tmp}/afile/run: Not a directory'),
+    (['--config.cache.disk_mb=5', '--config.cache.directory={tmp}/afile'],
+     'cache.directory={tmp}/afile is not a folder (the disk tier, cache.disk_mb=5.0, keeps its '
+     'entries in one)'),
     (['--workdir={tmp}/afile'], 'cannot use --workdir={tmp}/afile: it is a file, not a folder'),
     (['--workdir={tmp}/busy'], '{tmp}/busy/checkpoints is a file, where the run writes its '
                                'folder checkpoints'),
@@ -858,6 +861,27 @@ def test_check_config_refuses_micro_batches_the_first_plan_cannot_split():
   with config.unlocked():  # one pipeline, the other devices idle
     fixtures.override(config, {'train.batch_mode': 'constant', 'pipeline.autodp': False})
   elastic.check_config(config, 8)
+
+
+def test_a_cache_directory_without_a_disk_tier_is_said_unused(monkeypatch, tmp_path, capsys):
+  class Loaded(Exception):
+    pass
+
+  def loaded(*args):
+    raise Loaded()
+
+  monkeypatch.setattr(elastic, 'resolve_data', loaded)  # the checks before it are what counts
+  config = vit_imagenet.get_config()
+  with config.unlocked():
+    config.cache.directory = str(tmp_path / 'c')
+  for disk_mb, said in ((0.0, True), (5.0, False)):
+    with config.unlocked():
+      config.cache.disk_mb = disk_mb
+    with pytest.raises(Loaded):
+      elastic.run(config, str(tmp_path / 'w'), task='vit')
+    note = (f'note: cache.directory={tmp_path / "c"} is not used: cache.disk_mb=0 keeps the '
+            f'cache in memory only')
+    assert (note in capsys.readouterr().out) == said, disk_mb
 
 
 def test_a_config_file_is_held_against_the_command_s_keys(tmp_path):
