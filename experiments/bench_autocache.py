@@ -20,10 +20,12 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 
+from experiments import elastic
 from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax import diskcache
 from pipejax.autocache import ActivationCache
@@ -54,10 +56,14 @@ def _epoch(cache, batches, values, work_seconds=0.0):
   return statistics.median(times)
 
 
+OUTPUT = 'bench_autocache.json'
+
+
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is written."""
   check_positive(args, ('batch', 'seq', 'hidden', 'batches'))
   check_workdir_flag(args.workdir)
+  elastic.check_workdir(args.workdir, checkpoints_enabled=False, files=(OUTPUT,))
 
 
 def main(argv=None) -> int:
@@ -72,11 +78,36 @@ def main(argv=None) -> int:
   values = np.random.default_rng(0).normal(size=(n,) + shape).astype(np.float32)
   batch_mb = args.batch * args.seq * args.hidden * 4 / 2**20
   rows = []
+  # The caches live in a folder of this run's own, never one of the user's.
+  scratch = tempfile.mkdtemp(prefix='.bench-autocache-', dir=args.workdir)
+  try:
+    _measure(args, values, scratch, rows)
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  print(f'[{args.batch}, {args.seq}, {args.hidden}] float32 batch = {batch_mb:.2f} MiB; '
+        f'{args.batches} batches; median ms per batch')
+  print(f'{"dtype":9} {"tier":14} {"write ms":>9} {"read ms":>8} {"floor ms":>9} '
+        f'{"write MB/s":>11} {"read MB/s":>10} {"prefetched":>10}')
+  for r in rows:
+    print(f'{r["dtype"]:9} {r["tier"]:14} {r["write_ms"]:9.3f} {r["read_ms"]:8.3f} '
+          f'{r["gather_in_memory_ms"]:9.3f} {r["write_mb_s"]:11.0f} {r["read_mb_s"]:10.0f} '
+          f'{r["prefetched"]:10d}')
+  out = os.path.join(args.workdir, OUTPUT)
+  diskcache.write_atomic(out, lambda f: json.dump({'meta': vars(args), 'rows': rows}, f,
+                                                  indent=2))
+  print(f'wrote {out}')
+  return 0
+
+
+def _measure(args, values: np.ndarray, scratch: str, rows: list) -> None:
+  """Appends a row per dtype and tier to ``rows``, their caches under ``scratch``."""
+  n = args.batch * args.batches
+  shape = (args.seq, args.hidden)
+  batch_mb = args.batch * args.seq * args.hidden * 4 / 2**20
   for dtype in ('float32', 'bfloat16'):
     entry = int(np.prod(shape)) * np.dtype(np.float32).itemsize // (2 if dtype == 'bfloat16' else 1)
     for tier in ('memory', 'disk', 'disk+prefetch'):
-      directory = os.path.join(args.workdir, f'cache-{dtype}-{tier}')
-      shutil.rmtree(directory, ignore_errors=True)
+      directory = os.path.join(scratch, f'cache-{dtype}-{tier}')
       prefetch = 4 * args.batch * entry if tier == 'disk+prefetch' else 0
       memory = 2 * n * entry if tier == 'memory' else prefetch
       disk = 0 if tier == 'memory' else 2 * n * (entry + 32)
@@ -107,19 +138,6 @@ def main(argv=None) -> int:
                    'read_ms': 1e3 * reads[-1], 'gather_in_memory_ms': 1e3 * floor,
                    'write_mb_s': batch_mb / write, 'read_mb_s': batch_mb / reads[-1],
                    'prefetched': stats['prefetched'], 'hits': stats['hits']})
-  print(f'[{args.batch}, {args.seq}, {args.hidden}] float32 batch = {batch_mb:.2f} MiB; '
-        f'{args.batches} batches; median ms per batch')
-  print(f'{"dtype":9} {"tier":14} {"write ms":>9} {"read ms":>8} {"floor ms":>9} '
-        f'{"write MB/s":>11} {"read MB/s":>10} {"prefetched":>10}')
-  for r in rows:
-    print(f'{r["dtype"]:9} {r["tier"]:14} {r["write_ms"]:9.3f} {r["read_ms"]:8.3f} '
-          f'{r["gather_in_memory_ms"]:9.3f} {r["write_mb_s"]:11.0f} {r["read_mb_s"]:10.0f} '
-          f'{r["prefetched"]:10d}')
-  out = os.path.join(args.workdir, 'bench_autocache.json')
-  diskcache.write_atomic(out, lambda f: json.dump({'meta': vars(args), 'rows': rows}, f,
-                                                  indent=2))
-  print(f'wrote {out}')
-  return 0
 
 
 if __name__ == '__main__':

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from experiments import datasets
+from experiments import datasets, elastic
 from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax.data import TfdsSource, default_workers
 
@@ -84,6 +84,7 @@ def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is built or written."""
   check_positive(args, ('images', 'batch', 'rounds'))
   check_workdir_flag(args.workdir)
+  elastic.check_workdir(args.workdir, checkpoints_enabled=False, files=('bench_loading.json',))
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ are one line, exit 2, before anything is built or written; `bench_plans`'
 figures from its step times."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,9 +29,14 @@ def _run(module, *args, env=None):
 
 
 def test_bench_autocache_serves_every_read_from_the_cache(tmp_path):
+  mine = tmp_path / 'cache-float32-disk'  # a folder of the user's, named as its caches were
+  mine.mkdir()
+  (mine / 'important.txt').write_text('mine')
   out = _run('bench_autocache', f'--workdir={tmp_path}', '--batch=4', '--seq=3',
              '--hidden=5', '--batches=3')
   assert out.returncode == 0, out.stderr[-2000:]
+  assert (mine / 'important.txt').read_text() == 'mine'
+  shutil.rmtree(mine)
   rows = json.loads((tmp_path / 'bench_autocache.json').read_text())['rows']
   assert [(r['dtype'], r['tier']) for r in rows] == [
       (d, t) for d in ('float32', 'bfloat16') for t in ('memory', 'disk', 'disk+prefetch')]
@@ -40,6 +46,19 @@ def test_bench_autocache_serves_every_read_from_the_cache(tmp_path):
     # How far the reader thread gets ahead depends on the machine's load.
     assert 0 <= r['prefetched'] <= (2 * 12 if r['tier'] == 'disk+prefetch' else 0), r
   assert sorted(os.listdir(tmp_path)) == ['bench_autocache.json']  # its caches removed
+
+
+@pytest.mark.parametrize('module,args', [
+    ('bench_autocache', ['--batches=2']),
+    ('bench_loading', ['--images=4', '--batch=2', '--rounds=1'])])
+def test_a_benchmark_whose_output_path_is_a_folder_is_refused_before_it_runs(tmp_path, module,
+                                                                            args):
+  (tmp_path / f'{module}.json').mkdir()
+  out = _run(module, f'--workdir={tmp_path}', *args)
+  assert out.returncode == 2 and out.stderr == (
+      f'error: cannot use --workdir={tmp_path}: {tmp_path / f"{module}.json"} is a directory, '
+      f'where the run writes its file {module}.json\n')
+  assert os.listdir(tmp_path) == [f'{module}.json']
 
 
 def test_bench_loading_measures_each_preparation_with_one_and_all_workers(tmp_path):
