@@ -14,7 +14,6 @@ and writes ``DIR/bench_autocache.json`` with a list ``rows``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,12 +26,12 @@ import numpy as np
 
 from experiments import elastic
 from experiments.bench_cache import check_positive, check_workdir_flag
-from pipejax import diskcache
+from pipejax import diskcache, runtime
 from pipejax.autocache import ActivationCache
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog='python -m experiments.bench_autocache',
+  p = runtime.ArgumentParser(prog='python -m experiments.bench_autocache',
                               description=__doc__.split('\n\n')[0])
   p.add_argument('--workdir', required=True, type=os.path.expanduser,
                  help='where bench_autocache.json goes')

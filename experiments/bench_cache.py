@@ -26,7 +26,6 @@ would refuse is refused in one line before DIR is written.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -35,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from pipejax import diskcache
+from pipejax import diskcache, runtime
 
 VARIANTS = {
     'always': ['--config.cache.policy=always'],
@@ -229,7 +228,7 @@ def _forward_saved(summary: dict, rows: list[dict]) -> float:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m experiments.bench_cache',
+  parser = runtime.ArgumentParser(prog='python -m experiments.bench_cache',
                                    description=__doc__.split('\n\n')[0],
                                    epilog='Other arguments (--config.KEY=VALUE) go to every run.')
   parser.add_argument('--workdir', required=True, type=os.path.expanduser)

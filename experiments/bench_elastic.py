@@ -30,7 +30,6 @@ refuse is refused in one line before DIR is written.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -38,6 +37,7 @@ import sys
 
 from experiments.bench_cache import _run, start_error, stop_children_on_sigterm
 from experiments.reproduce import flop_limit_speedup
+from pipejax import runtime
 
 VARIANTS = {'elastic': [], 'baseline': ['--config.freeze.policy=none']}
 TARGET_RATIO = 0.70
@@ -111,7 +111,7 @@ def verdict_over_pairs(pairs: list[dict], ratio: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog='python -m experiments.bench_elastic',
+  parser = runtime.ArgumentParser(prog='python -m experiments.bench_elastic',
                                    description=__doc__.split('\n\n')[0],
                                    epilog='Other arguments (--config.KEY=VALUE) go to every run.')
   parser.add_argument('--workdir', required=True, type=os.path.expanduser)

@@ -18,7 +18,6 @@ batches one thread serves, bit for bit (exit status 1 when not).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -30,6 +29,7 @@ import numpy as np
 
 from experiments import datasets, elastic
 from experiments.bench_cache import check_positive, check_workdir_flag
+from pipejax import runtime
 from pipejax.data import TfdsSource, default_workers
 
 SIZE = 224
@@ -60,7 +60,7 @@ class JpegSource:
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog='python -m experiments.bench_loading',
+  p = runtime.ArgumentParser(prog='python -m experiments.bench_loading',
                               description=__doc__.split('\n\n')[0])
   p.add_argument('--workdir', required=True, type=os.path.expanduser,
                  help='where bench_loading.json goes')

@@ -11,7 +11,6 @@ table and writes ``DIR/bench_pipeline.json`` with a list ``rows``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ from pipejax import diskcache, runtime, schedule
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog='python -m experiments.bench_pipeline',
+  p = runtime.ArgumentParser(prog='python -m experiments.bench_pipeline',
                               description=__doc__.split('\n\n')[0])
   p.add_argument('--workdir', required=True, type=os.path.expanduser,
                  help='where bench_pipeline.json goes')

@@ -58,7 +58,6 @@ which show where a run's time is not its arithmetic (``docs/results.md``).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -70,6 +69,7 @@ import time
 
 from experiments.bench_cache import (claim_checked_workdir, cpu_and_switches, fail,
                                      freezes_nothing, run_child, stop_children_on_sigterm)
+from pipejax import runtime
 
 PARTS = ('breakdown', 'alpha', 'microbatches', 'transitions', 'table1')
 MAIN, PLAIN = 'experiments.vit_imagenet', 'experiments.plain_dp'
@@ -533,7 +533,7 @@ def microbatches(runner: Runner, workdir: str) -> dict:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
+  parser = runtime.ArgumentParser(
       prog='python -m experiments.reproduce', description=__doc__.split('\n\n')[0],
       epilog='Other arguments (--config FILE or --config=FILE, --config.KEY=VALUE) go to '
              'every run.')

@@ -27,7 +27,6 @@ parameters, gradients and two moments, 16 bytes each), of which
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -199,7 +198,7 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog='python -m pipejax.plan',
+  p = runtime.ArgumentParser(prog='python -m pipejax.plan',
                               description="Print AutoPipe's plan of a model as JSON, without "
                                           'running it.')
   p.add_argument('--model', required=True, help=f'a preset: {", ".join(PRESETS)}')

@@ -2,6 +2,7 @@
 cache, quiet third-party warnings. Call :func:`setup` before importing JAX."""
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import importlib.util
@@ -25,6 +26,16 @@ def quiet_interrupt() -> None:
     previous(kind, value, traceback)
 
   sys.excepthook = hook
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """``argparse``'s parser whose errors (an unknown flag, a bad value, a
+  missing required flag) are one line on stderr, exit code 2, without the
+  usage text before it (``--help`` prints that)."""
+
+  def error(self, message: str) -> NoReturn:
+    print(f'error: {message} (--help lists the flags)', file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def setup(cpu_devices: int = 8) -> None:

@@ -140,6 +140,29 @@ def test_developer_benchmarks_refuse_bad_flags_in_one_line(tmp_path):
     assert not os.path.exists(workdir / f'{module}.json')
 
 
+@pytest.mark.parametrize('module,args,message', [
+    ('experiments.bench_elastic', ['--workdir=w', '--repeats=abc'],
+     "argument --repeats: invalid int value: 'abc'"),
+    ('experiments.bench_cache', ['--repeats=2'], 'the following arguments are required: '
+                                                 '--workdir'),
+    ('experiments.reproduce', ['--workdir=w', '--only'], 'argument --only: expected one '
+                                                         'argument'),
+    ('experiments.bench_autocache', ['--workdir=w', '--batch=x'],
+     "argument --batch: invalid int value: 'x'"),
+    ('experiments.bench_loading', ['--workdir=w', '--images=x'],
+     "argument --images: invalid int value: 'x'"),
+    ('experiments.bench_pipeline', ['--workdir=w', '--repeats=x'],
+     "argument --repeats: invalid int value: 'x'"),
+    ('pipejax.plan', ['--model', 'vit-b16', '--devices=x'],
+     "argument --devices: invalid int value: 'x'")])
+def test_a_flag_argparse_refuses_is_one_line(tmp_path, module, args, message):
+  out = subprocess.run([sys.executable, '-m', module, *args], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 2 and out.stderr == f'error: {message} (--help lists the flags)\n'
+  assert os.listdir(tmp_path) == []
+
+
 def test_bench_plans_figures_from_the_step_times():
   """4 blocks, epochs at depths 0, 2, 2, 3 (a depth repeated: its step
   counts once per epoch). FLOPs: 16 units at F = 0, 10 at F = 2, 7 at F = 3.
