@@ -119,6 +119,9 @@ def load_tokenizer(path: str):
   except Exception as e:  # noqa: BLE001 - transformers and tokenizers raise bare Exceptions too
     if path.startswith(('/', '.', '~')) and not os.path.exists(os.path.expanduser(path)):
       raise TextConfigError(f'cannot load a tokenizer from {path!r}: no such directory') from e
+    if os.path.exists(path) and not os.path.isdir(path):
+      raise TextConfigError(f'cannot load a tokenizer from {path!r}: it is a file; give the '
+                            f'directory that holds the model') from e
     import models  # noqa: PLC0415 - heavy import kept local
     if not os.path.isdir(path) and not models.in_hf_cache(path, TOKENIZER_FILES):
       raise TextConfigError(

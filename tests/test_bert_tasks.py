@@ -650,6 +650,9 @@ def test_bad_input_is_one_line(tmp_path, module, args, message):
     ({'model.pretrained': '/nonexistent/bert'}, "cannot load pretrained model from '/nonexistent"),
     ({'model.pretrained': '', 'model.tokenizer': os.path.dirname(os.path.abspath(__file__))},
      "holds no tokenizer (tokenizer.json or vocab.txt)"),
+    ({'model.pretrained': os.path.abspath(__file__), 'model.tokenizer': ''},
+     f"cannot load a tokenizer from {os.path.abspath(__file__)!r}: it is a file; give the "
+     f"directory that holds the model"),
     ({'model.preset': 'bert-huge'}, "model.preset must be 'custom' or one of"),
     ({'data.max_seq_length': 600, 'model.pretrained': fixtures.minilm_dir()},
      "data.max_seq_length=600 exceeds the model's 512 position embeddings (model.pretrained="),
