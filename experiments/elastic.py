@@ -787,7 +787,8 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
     unsaved = any(r.get('checkpointed') is False for r in rows)
     # Only the last row's save may have been cut short (each save waits for
     # the one before): a checkpointed row before it had a checkpoint, since gone.
-    gone = any(r.get('checkpointed') for r in rows[:-1])
+    # (A finished run's last save completed too.)
+    gone = any(r.get('checkpointed') for r in (rows if finished else rows[:-1]))
     if rows and (aside or finished or unsaved or gone):
       # A finished run's results, those of a run whose checkpoints could not
       # be read or are gone, or of one that wrote none: never dropped without
@@ -796,8 +797,7 @@ def _resume(workdir: str, trainer: Trainer, ckpt, ident: dict) -> None:
       raise checkpoints.CheckpointError(
           f'{workdir} holds {len(rows)} metrics rows of an earlier run but no readable '
           f'checkpoint (' + (f'set aside as unreadable: {", ".join(aside)}' if aside else
-                             'its checkpoints are gone' if finished and any(
-                                 r.get('checkpointed') for r in rows) else
+                             'its checkpoints are gone' if finished and gone else
                              'that run finished without checkpoints' if finished else
                              'that run wrote none: checkpoint.enabled=False, or plain_dp'
                              if unsaved else 'its checkpoints are gone')
@@ -1390,7 +1390,8 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
   if wants_help:
     argv = argv[:1] + [a for a in argv[1:] if a not in HELP_FLAGS]
   given, without = _config_file_argument(argv)
-  missing = []  # the keys a user's --config file lacks, said once the overrides apply
+  missing = {}  # the keys a user's --config file lacks (their defaults), said once the
+  # overrides apply
   try:
     if given is None or os.path.realpath(given) == os.path.realpath(config_file):
       # Defining the flag already reads the command line (to load the file).
@@ -1427,8 +1428,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     print(f'error: {e}', file=sys.stderr)
     return None
   if missing:
-    _note_missing(flags.FLAGS.config, given, missing,
-                  dict(config_keys.flat(_load_config_file(config_file))))
+    _note_missing(flags.FLAGS.config, given, missing)
   if wants_help:
     print(usage(flags.FLAGS.config, config_file, require_workdir, extra_flags), flush=True)
     raise SystemExit(0)
@@ -1487,7 +1487,7 @@ def _config_file_argument(argv: list[str]) -> tuple[str | None, list[str]]:
   return given, rest
 
 
-def _user_config_file(given: str, config_file: str, missing_out: list | None = None):
+def _user_config_file(given: str, config_file: str, missing_out: dict | None = None):
   """``get_config()`` of the user's ``--config`` file ``given``, held
   against the command's own (:func:`_hold_against`).
 
@@ -1549,7 +1549,7 @@ def _check_kinds(config, given: str, config_file: str) -> None:
 
 
 def _hold_against(config, given: str, config_file: str,
-                  missing_out: list | None = None) -> None:
+                  missing_out: dict | None = None) -> None:
   """Holds the configuration ``config`` of the user's config file ``given``
   against the command's own (``config_file``'s), in place: a key the
   command does not read is refused in one line (a typo, which would be
@@ -1557,7 +1557,7 @@ def _hold_against(config, given: str, config_file: str,
   follow (``c.get_ref``), which is named in one line; keys the file lacks
   (written for an earlier pipejax) get the command's defaults, said in one
   line (by the caller, once the command line's overrides apply, where
-  ``missing_out`` collects them).
+  ``missing_out`` collects them with their defaults).
 
   Raises:
     ConfigError: a key the command does not read, or a value where the
@@ -1603,30 +1603,24 @@ def _hold_against(config, given: str, config_file: str,
         source = source[group]
         if group not in node:
           node[group] = type(source)()  # a group the file lacks entirely
-        node = node[group]
-        if not isinstance(node, ml_collections.ConfigDict):
-          raise ConfigError(f'the --config file {given} sets {group!r} to a value, where this '
-                            f'command has a group of keys ({key} among them)')
+        node = node[group]  # a ConfigDict: a group set to a value was refused above
       node[name] = copy.deepcopy(source[name])
+  missing = {key: known[key] for key in missing}
   if missing_out is None:
-    _note_missing(config, given, missing, known)
+    _note_missing(config, given, missing)
   else:  # said once the command line's overrides apply
-    missing_out.extend(missing)
+    missing_out.update(missing)
 
 
-def _note_missing(config, given: str, missing: Sequence[str], defaults: dict) -> None:
-  """One line: the keys the --config file ``given`` lacks, each with the
-  value in force (``config``): the default, or the command line's."""
-  def value(key):
-    node = config
-    for part in key.split('.'):
-      node = node[part]
-    return node
-
-  said = [f'{key}={config_keys.shown(value(key))}' for key in missing
-          if value(key) == defaults[key]]
-  overridden = [f'{key}={config_keys.shown(value(key))}' for key in missing
-                if value(key) != defaults[key]]
+def _note_missing(config, given: str, missing: dict) -> None:
+  """One line: the keys the --config file ``given`` lacks (``missing``:
+  each with its default), each with the value in force (``config``): the
+  default, or the command line's."""
+  now = dict(config_keys.flat(config))
+  said = [f'{key}={config_keys.shown(now[key])}' for key in missing
+          if now[key] == missing[key]]
+  overridden = [f'{key}={config_keys.shown(now[key])}' for key in missing
+                if now[key] != missing[key]]
   _log(f'note: the --config file {given} lacks {len(missing)} key'
        f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); '
        + (f'the defaults are used: {", ".join(said)}' if said else '')
