@@ -19,8 +19,8 @@ class MetricsLog:
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, 'metrics.jsonl')
-    self.rows: list[dict[str, Any]] = read_rows(workdir)
-    if jax.process_index() == 0 and _torn(self.path):
+    self.rows, untidy = _read_rows(self.path)
+    if jax.process_index() == 0 and untidy:
       _rewrite(self.path, self.rows)  # rows appended after a torn line must start afresh
 
   def append(self, row: dict[str, Any]) -> None:
@@ -48,18 +48,26 @@ def read_rows(workdir: str) -> list[dict[str, Any]]:
       crash's; a damaged file is never rewritten: the rows after the damage
       would be lost).
   """
-  path = os.path.join(workdir, 'metrics.jsonl')
+  return _read_rows(os.path.join(workdir, 'metrics.jsonl'))[0]
+
+
+def _read_rows(path: str) -> tuple[list[dict[str, Any]], bool]:
+  """:func:`read_rows` of the file ``path``, and whether it holds what they
+  leave out (a torn last line, no final newline, blank lines), which a row
+  appended after it would leave inside the file."""
   if not os.path.exists(path):
-    return []
+    return [], False
   try:
     with open(path, encoding='utf-8') as f:
-      lines = f.read().splitlines()
+      text = f.read()
   except (OSError, UnicodeDecodeError) as e:
     raise MetricsError(f'cannot read {path}: {e}') from e
-  rows = []
+  lines = text.splitlines()
+  rows, untidy = [], bool(text) and not text.endswith('\n')
   last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
   for number, line in enumerate(lines, 1):
     if not line.strip():
+      untidy = True
       continue  # a blank line (an editor's save): no row
     try:
       row = json.loads(line)
@@ -67,12 +75,13 @@ def read_rows(workdir: str) -> list[dict[str, Any]]:
       row = None
     if not isinstance(row, dict) or not isinstance(row.get('epoch'), int):
       if number == last and row is None:
+        untidy = True
         break  # torn by a crash while writing
       raise MetricsError(f'{path} line {number} is not a metrics row ({line[:40]!r}); repair '
                          f'or move the file, use another --workdir, or --config.resume=False '
                          f'to start over')
     rows.append(row)
-  return rows
+  return rows, untidy
 
 
 def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None) -> int:
@@ -83,7 +92,8 @@ def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None)
   saved before the row had its timings is given ``checkpoint_seconds`` 0 and a
   ``wall_seconds`` of the row before plus this epoch's training, transitions
   and evaluation). Returns the rows dropped."""
-  rows = read_rows(workdir)
+  path = os.path.join(workdir, 'metrics.jsonl')
+  rows, untidy = _read_rows(path)
   kept = [r for r in rows if r['epoch'] < epochs]
   if last_row is not None and not any(r['epoch'] == last_row['epoch'] for r in kept):
     if 'wall_seconds' not in last_row:
@@ -91,33 +101,10 @@ def keep_rows(workdir: str, epochs: int, last_row: dict[str, Any] | None = None)
       last_row = {'checkpoint_seconds': 0.0, **last_row, 'wall_seconds': before + sum(
           last_row.get(k, 0.0) for k in ('epoch_seconds', 'transition_seconds', 'eval_seconds'))}
     kept.append(last_row)
-  path = os.path.join(workdir, 'metrics.jsonl')
   # Nothing to drop and nothing torn: leave the file alone.
-  if jax.process_index() == 0 and (kept != rows or _torn(path)):
+  if jax.process_index() == 0 and (kept != rows or untidy):
     _rewrite(path, kept)
   return len(rows) - len([r for r in rows if r['epoch'] < epochs])
-
-
-def _torn(path: str) -> bool:
-  """Whether ``path`` holds what :func:`read_rows` skips, which a row
-  appended after it would leave inside the file: a line torn by a crash (no
-  final newline, or a last line that is no JSON, a newline added after it by
-  hand) or blank lines."""
-  try:
-    with open(path, 'rb') as f:
-      data = f.read()
-  except FileNotFoundError:
-    return False
-  if not data:
-    return False
-  lines = data.split(b'\n')
-  if data[-1:] != b'\n' or any(not line.strip() for line in lines[:-1]):
-    return True
-  try:
-    json.loads(lines[-2])
-  except ValueError:  # UnicodeDecodeError too: read_rows refuses such a file first
-    return True
-  return False
 
 
 def _rewrite(path: str, rows: list[dict[str, Any]]) -> None:
