@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from experiments import elastic
-from experiments.bench_cache import check_positive, check_workdir_flag
+from experiments.bench_cache import check_positive
 from pipejax import diskcache, runtime
 from pipejax.autocache import ActivationCache
 
@@ -61,7 +61,6 @@ OUTPUT = 'bench_autocache.json'
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is written."""
   check_positive(args, ('batch', 'seq', 'hidden', 'batches'))
-  check_workdir_flag(args.workdir)
   elastic.check_workdir(args.workdir, checkpoints_enabled=False, files=(OUTPUT,))
 
 
@@ -72,15 +71,11 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
-  n = args.batch * args.batches
-  shape = (args.seq, args.hidden)
-  values = np.random.default_rng(0).normal(size=(n,) + shape).astype(np.float32)
   batch_mb = args.batch * args.seq * args.hidden * 4 / 2**20
-  rows = []
   # The caches live in a folder of this run's own, never one of the user's.
   scratch = tempfile.mkdtemp(prefix='.bench-autocache-', dir=args.workdir)
   try:
-    _measure(args, values, scratch, rows)
+    rows = _measure(args, batch_mb, scratch)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   print(f'[{args.batch}, {args.seq}, {args.hidden}] float32 batch = {batch_mb:.2f} MiB; '
@@ -98,11 +93,12 @@ def main(argv=None) -> int:
   return 0
 
 
-def _measure(args, values: np.ndarray, scratch: str, rows: list) -> None:
-  """Appends a row per dtype and tier to ``rows``, their caches under ``scratch``."""
+def _measure(args, batch_mb: float, scratch: str) -> list[dict]:
+  """A row per dtype and tier, their caches under ``scratch``."""
   n = args.batch * args.batches
   shape = (args.seq, args.hidden)
-  batch_mb = args.batch * args.seq * args.hidden * 4 / 2**20
+  values = np.random.default_rng(0).normal(size=(n,) + shape).astype(np.float32)
+  rows = []
   for dtype in ('float32', 'bfloat16'):
     entry = int(np.prod(shape)) * np.dtype(np.float32).itemsize // (2 if dtype == 'bfloat16' else 1)
     for tier in ('memory', 'disk', 'disk+prefetch'):
@@ -137,6 +133,7 @@ def _measure(args, values: np.ndarray, scratch: str, rows: list) -> None:
                    'read_ms': 1e3 * reads[-1], 'gather_in_memory_ms': 1e3 * floor,
                    'write_mb_s': batch_mb / write, 'read_mb_s': batch_mb / reads[-1],
                    'prefetched': stats['prefetched'], 'hits': stats['hits']})
+  return rows
 
 
 if __name__ == '__main__':

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from experiments import datasets, elastic
-from experiments.bench_cache import check_positive, check_workdir_flag
+from experiments.bench_cache import check_positive
 from pipejax import runtime
 from pipejax.data import TfdsSource, default_workers
 
@@ -83,7 +83,6 @@ def _digest(batch: dict) -> str:
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is built or written."""
   check_positive(args, ('images', 'batch', 'rounds'))
-  check_workdir_flag(args.workdir)
   elastic.check_workdir(args.workdir, checkpoints_enabled=False, files=('bench_loading.json',))
 
 
