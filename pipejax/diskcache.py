@@ -42,13 +42,11 @@ def write_atomic(path: str, write: Callable[[IO], None], *, binary: bool = False
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-  except OSError as e:
+  except BaseException as e:
     remove(tmp)
-    if e.errno is not None and e.filename in (None, tmp):  # e.g. a full disk: name the file
-      raise OSError(e.errno, e.strerror, path) from e  # (of the same subclass, by errno)
-    raise
-  except BaseException:
-    remove(tmp)
+    if isinstance(e, OSError) and e.errno is not None and e.filename in (None, tmp):
+      # e.g. a full disk: name the file (an OSError of the same subclass, by errno)
+      raise OSError(e.errno, e.strerror, path) from e
     raise
 
 

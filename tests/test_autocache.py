@@ -743,6 +743,15 @@ def wait_staged(cache, ids, seconds=60.0):
   assert want <= set(cache._staged), f'not staged within {seconds}s'  # noqa: SLF001
 
 
+def wait_full(cache, seconds=60.0):
+  """Waits until the prefetcher filled its budget (or gives up: a guard
+  against a hang, not a time limit)."""
+  deadline = time.monotonic() + seconds
+  while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
+    time.sleep(0.005)
+  assert cache._staged_bytes == cache.prefetch_bytes, f'not full within {seconds}s'  # noqa: SLF001
+
+
 def test_prefetch_serves_the_same_values_within_the_memory_budget(tmp_path):
   n = 64
   fake = FakePrefix(n)
@@ -782,11 +791,7 @@ def test_prefetch_finds_corruption_and_skips_unplanned_batches(tmp_path):
   batches = epoch_batches(n, 8, 1)
   cache.prefetch(batches)
   prefetcher = cache._thread  # noqa: SLF001
-  deadline = time.monotonic() + 60  # a guard against a hang
-  while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
-    time.sleep(0.005)
-  # Full: batch 0 (and 1) staged.
-  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001
+  wait_full(cache)  # batch 0 (and 1) staged
   cache.fetch(batches[2], fake.compute_fn(batches[2], 4))  # jumps ahead: 0 and 1 released
   ahead = np.concatenate(batches[3:])
   on_disk = int(np.sum((cache._tier[ahead] == 2) & (ahead != victim)))  # noqa: SLF001
@@ -814,10 +819,7 @@ def test_close_ends_a_prefetcher_that_waits_for_room(tmp_path):
   cache.prefetch(batches)
   prefetcher = cache._thread  # noqa: SLF001
   wait_staged(cache, batches[0])
-  deadline = time.monotonic() + 60  # a guard against a hang
-  while cache._staged_bytes < cache.prefetch_bytes and time.monotonic() < deadline:  # noqa: SLF001
-    time.sleep(0.005)
-  assert cache._staged_bytes == cache.prefetch_bytes  # noqa: SLF001 - full: it waits for room
+  wait_full(cache)  # it waits for room now
   assert prefetcher.is_alive()
   cache.close()
   assert not prefetcher.is_alive() and cache._staged_bytes == 0  # noqa: SLF001
