@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from pipejax import diskcache, runtime
+from pipejax import runtime
 
 VARIANTS = {
     'always': ['--config.cache.policy=always'],
@@ -112,14 +112,6 @@ def check_positive(args, flags: tuple[str, ...]) -> None:
     if getattr(args, flag) < 1:
       raise ValueError(f'--{flag.replace("_", "-")} must be at least 1, '
                        f'got {getattr(args, flag)}')
-
-
-def check_workdir_flag(workdir: str) -> None:
-  """A benchmark's ``--workdir`` can hold its outputs
-  (:func:`pipejax.diskcache.folder_problem`); else :class:`ValueError`, one line."""
-  problem = diskcache.folder_problem(workdir)
-  if problem:
-    raise ValueError(f'cannot use --workdir={workdir}: {problem}')
 
 
 def freezes_nothing(passthrough: list[str]) -> bool:

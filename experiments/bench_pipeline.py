@@ -17,8 +17,10 @@ import statistics
 import sys
 import time
 
-from experiments.bench_cache import check_positive, check_workdir_flag
+from experiments.bench_cache import check_positive
 from pipejax import diskcache, runtime, schedule
+
+OUTPUT = 'bench_pipeline.json'
 
 
 def _parse(argv):
@@ -70,7 +72,9 @@ def _check(args) -> None:
     if name not in schedule.SCHEDULES:
       raise ValueError(f'--schedules: unknown schedule {name!r}; expected some of '
                        f'{",".join(sorted(schedule.SCHEDULES))}')
-  check_workdir_flag(args.workdir)
+  problem = diskcache.outputs_problem(args.workdir, (OUTPUT,))
+  if problem:
+    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
 
 
 def main(argv=None) -> int:
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
   if not rows:
     print('error: no row could run: see the lines above', file=sys.stderr)
     return 2
-  out = os.path.join(args.workdir, 'bench_pipeline.json')
+  out = os.path.join(args.workdir, OUTPUT)
   meta = dict(model='vit', layers=args.layers, hidden=args.hidden, batch=args.batch,
               devices=n, platform=devices[0].platform, repeats=args.repeats,
               measured='loss and gradients of one global batch (no optimizer update)')

@@ -311,16 +311,9 @@ def check_workdir(workdir: str, checkpoints_enabled: bool,
   """Creates ``workdir`` if needed; the paths of the outputs it will write
   (``files``, and ``checkpoints/`` when enabled) must be free or of the right
   kind (before training, not at the first save)."""
-  problem = diskcache.folder_problem(workdir)
+  problem = diskcache.outputs_problem(workdir, files, ('checkpoints',) * checkpoints_enabled)
   if problem:
     raise ConfigError(f'cannot use --workdir={workdir}: {problem}')
-  outputs = [(name, False) for name in files]
-  for name, is_dir in outputs + [('checkpoints', True)] * checkpoints_enabled:
-    path = os.path.join(workdir, name)
-    if os.path.exists(path) and os.path.isdir(path) != is_dir:
-      raise ConfigError(f'cannot use --workdir={workdir}: {path} is a '
-                        f'{"file" if is_dir else "directory"}, where the run writes its '
-                        f'{"folder" if is_dir else "file"} {name}')
 
 
 def _fresh_workdir(task: str) -> str:

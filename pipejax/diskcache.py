@@ -65,6 +65,21 @@ def folder_problem(path: str) -> str | None:
   return None
 
 
+def outputs_problem(folder: str, files: tuple[str, ...] = (),
+                    folders: tuple[str, ...] = ()) -> str | None:
+  """:func:`folder_problem`, or which of the ``files`` and ``folders`` a run
+  writes into ``folder`` is there as the other kind (one phrase), else None."""
+  problem = folder_problem(folder)
+  if problem:
+    return problem
+  for name, is_dir in [(n, False) for n in files] + [(n, True) for n in folders]:
+    path = os.path.join(folder, name)
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+      return (f'{path} is a {"file" if is_dir else "directory"}, where the run writes its '
+              f'{"folder" if is_dir else "file"} {name}')
+  return None
+
+
 class InUseError(Exception):
   """Another live process holds the lock (the message names it)."""
 
