@@ -39,7 +39,7 @@ def replicas_for(num_devices: int, pipeline_length: int, autodp: bool = True) ->
 def global_batch_size(batch_size: int, replicas: int, mode: str) -> int:
   """The global batch for R replicas.
 
-  ``mode='constant'`` (default) keeps ``batch_size`` whatever R is, which
+  ``mode='constant'`` (``train.batch_mode``'s default) keeps ``batch_size`` whatever R is, which
   preserves the optimisation semantics; ``'per_pipeline'`` is the paper's
   behaviour, ``batch_size`` per pipeline, so the global batch grows with R.
   """

@@ -6,9 +6,10 @@ arrays`` for an integer array of sample IDs (``tfds.data_source`` wrapped by
 :class:`Loader` draws a fresh permutation every epoch, deterministic in
 ``(seed, epoch)``, and yields ``(sample_ids, batch)``. IDs are what AutoCache
 keys activations by; the order is known ahead of time, so a cache can prefetch
-(:meth:`Loader.batch_ids`). In multi-host runs :func:`host_subset` fixes each
-host's share of the IDs for the whole run and the Loader shuffles within it
-(paper App. D.1), so a host-local cache is reused every epoch.
+(:meth:`Loader.batch_ids`). Multi-host runs read a :class:`ShardedLoader`:
+:func:`host_subset` fixes each data shard's share of the IDs for the whole run
+and the shard's Loader shuffles within it (paper App. D.1), so a host-local
+cache is reused every epoch.
 """
 from __future__ import annotations
 
@@ -187,8 +188,8 @@ def host_subset(num_samples: int, process_index: int, process_count: int,
 
   The IDs are permuted once with ``seed`` (the same on every host) and split
   into ``process_count`` equal parts; host ``process_index`` gets one part,
-  sorted, for the whole run. Give it to ``Loader(ids=...)``: the Loader
-  reshuffles only within it every epoch, so a sample never moves to another
+  sorted, for the whole run. :class:`ShardedLoader` gives it to a shard's
+  ``Loader(ids=...)``, which reshuffles only within it every epoch, so a sample never moves to another
   host and its cached activations stay useful. The ``num_samples %
   process_count`` left-over IDs are dropped so every host runs the same
   number of steps.

@@ -72,6 +72,8 @@ class FrozenPrefix:
     policy: ``'profile'`` (cache a depth when it measures faster) or
       ``'always'``.
     log: one-line messages.
+    programs: where its compiled programs are kept (the trainer's
+      :class:`pipejax.programs.ProgramStore`); None compiles them as usual.
   """
 
   def __init__(self, model: LayeredModel, devices, source, cache: ActivationCache | None,

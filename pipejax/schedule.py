@@ -1,6 +1,7 @@
 """Pipeline schedules as data.
 
-A schedule is a static table ``(tick, stage) -> IDLE | FWD m | BWD m``. It is
+A schedule is a static table ``(tick, stage) -> IDLE | FWD m | BWD m | BOTH``
+(``BOTH``: the fused 1F1B's tick of a forward and a backward). It is
 built in Python, checked by :func:`validate`, costed by :func:`simulate` and
 interpreted by the SPMD executor in :mod:`pipejax.pipeline`, which also uses
 :func:`buffer_plan` to know where each stage keeps each micro-batch's stashed
@@ -93,7 +94,7 @@ class Schedule:
 
   @functools.cached_property
   def key(self) -> tuple:
-    """Hashable identity of the table (used to cache compiled steps)."""
+    """Hashable identity of the table (its hash and equality)."""
     return (self.name, self.forward_only, self.ops.shape, self.ops.tobytes(),
             self.micro_batch.tobytes(),
             None if self.backward_micro_batch is None else self.backward_micro_batch.tobytes())
@@ -265,7 +266,7 @@ def _op_ticks(schedule: Schedule) -> dict[tuple[int, int, int], int]:
 def validate(schedule: Schedule, num_micro_batches: int | None = None) -> None:
   """Raises :class:`ScheduleError` unless ``schedule`` is runnable.
 
-  Checks: only IDLE/FWD/BWD; each micro-batch forwarded (and, for training
+  Checks: only IDLE/FWD/BWD/BOTH; each micro-batch forwarded (and, for training
   schedules, backwarded) exactly once per stage; FWD on stage s after FWD on
   stage s-1; BWD on a stage after its own FWD and after BWD on stage s+1.
   """

@@ -96,11 +96,11 @@ class LossNotFinite(FloatingPointError):
   training stops (a diverged state is never checkpointed). ``step`` is the
   step at which it was seen (the loss is read every 10 steps; both are read
   before every checkpoint and at the end of each epoch). ``what`` names the
-  value (default: the training loss)."""
+  value (default: the training loss) and ``value`` is what it was."""
 
-  def __init__(self, loss_sum: float, epoch: int, step: int, what: str = 'the training loss'):
-    self.loss_sum, self.epoch, self.step = loss_sum, epoch, step
-    super().__init__(f'{what} is {loss_sum} at step {step} (epoch {epoch})')
+  def __init__(self, value: float, epoch: int, step: int, what: str = 'the training loss'):
+    self.value, self.epoch, self.step = value, epoch, step
+    super().__init__(f'{what} is {value} at step {step} (epoch {epoch})')
 
 
 class TrainingInterrupted(Exception):
@@ -311,6 +311,8 @@ class Trainer:
       which go into the epoch's metrics row (e.g. SQuAD's exact match and F1).
       A regression head (metrics without ``correct``) needs one; its rows
       have ``train_accuracy`` None.
+    program_store: the folder where compiled programs are kept for later runs
+      (:class:`pipejax.programs.ProgramStore`); None turns the store off.
   """
 
   def __init__(self, model: LayeredModel, params: Params, config, workdir: str,
@@ -342,7 +344,7 @@ class Trainer:
         params, model.mlp_in_keys if model.can_split_mlp else (),
         c.pipeline.get('split_mlp_min_gain', autopipe.SPLIT_MLP_MIN_GAIN))
     self.initial_length = c.pipeline.initial_length
-    autodp.replicas_for(self.num_devices, self.initial_length)
+    autodp.replicas_for(self.num_devices, self.initial_length)  # raises if K does not divide N
     self.pipe = pipeline.Pipeline(model, devices=self.devices,
                                   exchange=c.pipeline.get('exchange', 'auto'))
     # The learning-rate schedule's unit: a step of the starting global batch
@@ -511,7 +513,7 @@ class Trainer:
     future = held.get(key)
     if future is not None and not background and not future.done() and future.cancel():
       future = None
-    if future is None or future.cancelled() or (future.done() and future.exception() is not None):
+    if future is None or _failed(future):
       if background:
         future = self._pool.submit(compile_it)
       else:
