@@ -104,8 +104,9 @@ MEANINGS: dict[str, str] = {
     'freeze.timestep_steps': 'a freeze decision every this many steps (0: at the end of each '
                              'epoch); needs train.batch_mode=constant',
     'freeze.min_active_layers': 'blocks that always stay trainable',
-    'freeze.lambda_frozen': "AutoPipe charges the frozen layers this fraction of their "
-                            "parameters on stage 0 (Algorithm 1's lambda)",
+    'freeze.lambda_frozen': "Eq. 2's compression charges the frozen layers this fraction "
+                            "of their parameters on stage 0 (Algorithm 1's lambda); the "
+                            "stages a run trains balance the active layers alone",
     'freeze.compress': 'False: K never halves (no pipeline compression)',
     'freeze.compile_ahead': "compile the plan the alpha bound predicts next while the "
                             "current epoch trains",

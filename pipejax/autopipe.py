@@ -9,7 +9,13 @@ the first stage, and the partition balances around it. The memory proxy is::
 
   M_GPU = max_k S_k        with S_0 including λ_frozen · S_frozen        (Eq. 2)
 
-and the pipeline is halved while ``M_GPU(T) ≤ M_GPU(0)``. Two readings of a
+and the pipeline is halved while ``M_GPU(T) ≤ M_GPU(0)``, each candidate
+balanced around that charge. The partition a run then trains with at the
+chosen K balances the active units alone: pipejax runs the frozen prefix
+outside the pipeline, so its first stage does none of the frozen layers'
+work, and a partition balanced around their charge would leave that stage
+light and load the others (the embedded default at F = 4 on 8 stages: 41.9k
+parameters on its largest stage, and one MLP split, against 34.2k). Two readings of a
 paper that is not consistent with itself: a tie halves, as Eq. 2's ≤ says
 (Algorithm 1's line 30 compares with <; ViT-B/16 with its 1000-class head on 8
 devices ties at F = 7, 12.58M parameters on whole sub-layers either way, and
@@ -224,14 +230,22 @@ class StagePlan:
 
 
 def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
-                  lambda_frozen: float) -> StagePlan:
+                  lambda_frozen: float, *, charge_first_stage: bool = False) -> StagePlan:
   """The balanced partition of the active units into ``pipeline_length``
   stages (splitting MLP sub-layers where ``costs`` allow it and it pays: see
-  the module doc)."""
+  the module doc).
+
+  By default the stages balance the active units alone: the partition a run
+  trains with, since pipejax runs the frozen prefix outside the pipeline, on
+  every device, so that no stage carries it. With ``charge_first_stage`` they
+  balance around ``λ_frozen · S_frozen`` charged to the first stage, as
+  Algorithm 1 does: the partition whose proxy :func:`compress` compares. Either
+  way ``memory_proxy`` is Eq. 2's for the partition returned."""
   active = costs.active(num_frozen_layers)
   frozen = costs.frozen(num_frozen_layers)
   offset = lambda_frozen * frozen
-  sizes = balance(active, pipeline_length, offset,
+  charged = offset if charge_first_stage else 0.0  # what the balance sees on stage 0
+  sizes = balance(active, pipeline_length, charged,
                   blocks=costs.active_blocks(num_frozen_layers))
   stage_costs, start = [], 0
   for size in sizes:
@@ -240,11 +254,17 @@ def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int
   plan = _stage_plan(Partition(costs.num_layers, num_frozen_layers, sizes), stage_costs,
                      frozen, offset)
   if costs.can_split and pipeline_length > 1:
-    split = _split_partition(costs, num_frozen_layers, pipeline_length, offset)
-    if split is not None and (split.memory_proxy
-                              <= (1.0 - costs.split_mlp_min_gain) * plan.memory_proxy):
+    split = _split_partition(costs, num_frozen_layers, pipeline_length, charged, offset)
+    if split is not None and (_largest(split, charged)
+                              <= (1.0 - costs.split_mlp_min_gain) * _largest(plan, charged)):
       return split
   return plan
+
+
+def _largest(plan: StagePlan, first_stage_charge: float) -> float:
+  """The largest stage cost of ``plan``, its first stage charged
+  ``first_stage_charge``: what :func:`balance` minimises."""
+  return max(plan.stage_costs[0] + first_stage_charge, *plan.stage_costs[1:])
 
 
 def _stage_plan(partition: Partition, stage_costs, frozen: float, offset: float) -> StagePlan:
@@ -256,12 +276,13 @@ def _stage_plan(partition: Partition, stage_costs, frozen: float, offset: float)
 
 
 def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
-                     offset: float) -> StagePlan | None:
+                     charged: float, offset: float) -> StagePlan | None:
   """The balanced partition over *pieces*: the active units with every MLP
   sub-layer in its two halves, a boundary between the halves splitting it;
   of the optimal ones the one with the fewest splits, then the narrowest. A
   stage holds at least one piece besides a received MLP half. None when no
-  split lowers the largest stage."""
+  split lowers the largest stage. The balance charges ``charged`` to the
+  first stage, the memory proxy ``offset`` (:func:`partition_for`)."""
   units = costs._active_units(num_frozen_layers)  # noqa: SLF001 - its own module
   pieces, owner, second = [], [], []  # cost, unit index, whether an MLP's second half
   for i, u in enumerate(units):
@@ -280,7 +301,7 @@ def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: 
   blocks = [unit_block(units[o], costs.num_layers) for o in owner]
 
   def cost(a, b):
-    return prefix[b] - prefix[a] + (offset if a == 0 else 0.0)
+    return prefix[b] - prefix[a] + (charged if a == 0 else 0.0)
 
   def allowed(a, b):  # not only the second half of the previous stage's MLP
     return b - a > 1 or not second[a]
@@ -334,6 +355,17 @@ def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: 
                      costs.frozen(num_frozen_layers), offset)
 
 
+def eq2_proxy(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
+              lambda_frozen: float) -> float:
+  """Eq. 2's ``M_GPU`` at ``pipeline_length``: the largest stage of Algorithm
+  1's partition, on whole sub-layers and balanced around ``λ_frozen ·
+  S_frozen`` charged to the first stage; :func:`compress` compares it with
+  its value at T = 0."""
+  whole = dataclasses.replace(costs, split_mlp_min_gain=1.0)
+  return partition_for(whole, num_frozen_layers, pipeline_length, lambda_frozen,
+                       charge_first_stage=True).memory_proxy
+
+
 def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
              initial_pipeline_length: int, lambda_frozen: float,
              num_devices: int | None = None) -> StagePlan:
@@ -349,15 +381,13 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
   # stores (the stage layout is dense; see pipejax.partition), so it must
   # neither make compression stricter nor let it go further. The partition
   # of the chosen K may then split.
-  whole = dataclasses.replace(costs, split_mlp_min_gain=1.0)
-  reference = partition_for(whole, 0, initial_pipeline_length, lambda_frozen).memory_proxy
+  reference = eq2_proxy(costs, 0, initial_pipeline_length, lambda_frozen)
   k = pipeline_length
   # More stages than active units cannot run: halve regardless of memory.
   while k > len(costs.active(num_frozen_layers)):
     k //= 2
   while k >= 2 and k % 2 == 0:
-    candidate = partition_for(whole, num_frozen_layers, k // 2, lambda_frozen)
-    if candidate.memory_proxy > reference + 1e-6:
+    if eq2_proxy(costs, num_frozen_layers, k // 2, lambda_frozen) > reference + 1e-6:
       break
     k //= 2
   if num_devices is not None:
@@ -414,8 +444,10 @@ class MicroBatchProfile:
 
   The file maps a hash of ``key`` to ``{K: {"micro_batches": M, ...}}``, and
   under ``"about"`` each hash to a description of its run, so that the file
-  can be read without the run's key (``python -m pipejax.plan --profile``: see
-  :func:`profiled_choices`) and older pipejax versions still read it.
+  can be read without the run's key (``python -m pipejax.plan --profile``
+  reads it with :func:`described_runs` and :func:`profile_differences`;
+  :func:`profiled_choices` gives the runs that match) and older pipejax
+  versions still read it.
 
   Args:
     path: the JSON file (None keeps it in memory only); ``~`` is the user's

@@ -6,8 +6,13 @@
 ``head``; an MLP split between two stages is ``mlp.i.in`` at the end of the
 first, ``mlp.i.out`` at the start of the second: ``split_mlp`` lists the
 stages that end with one, ``--split-mlp-min-gain`` as in training) and
-parameter count; ``pipeline_length`` is after compression
-(Eq. 2) from ``--initial-pipeline-length`` (default: the device count);
+parameter count: the partition a run trains with, which balances the active
+sub-layers alone (the frozen prefix runs outside the pipeline);
+``pipeline_length`` is after compression (Eq. 2) from
+``--initial-pipeline-length`` (default: the device count), and
+``memory_proxy_eq2`` the proxy it compared at that length (the largest stage
+of Algorithm 1's partition, balanced around ``--lambda-frozen`` times the
+frozen parameters charged to its first stage);
 ``micro_batches`` is the choice that a training run of the same model (the
 ``--model`` preset: a run of a custom model, such as the embedded default's,
 is never read) on as many devices (and ``--batch-size``, when given)
@@ -182,8 +187,6 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
         'stage_layout_bytes': int(16 * (padded_stack + shared)),
         'frozen_prefix_bytes': int(4 * frozen),
         'total_bytes': int(16 * (padded_stack + shared) + 4 * frozen),
-        'paper_proxy_parameters': int(stage['parameters'] + (
-            lambda_frozen * frozen if stage is stages[0] else 0)),
     })
   return {
       'model': model_name, 'devices': devices, 'frozen_layers': frozen_layers,
@@ -192,7 +195,7 @@ def build_plan(model_name: str, devices: int, frozen_layers: int, *, lambda_froz
       'stage_sizes': list(partition.stage_sizes), 'split_mlp': list(partition.split_mlp),
       'stages': stages,
       'max_stage_parameters': max(s['parameters'] for s in stages),
-      'memory_proxy_eq2': int(stage_plan.memory_proxy),
+      'memory_proxy_eq2': int(autopipe.eq2_proxy(costs, frozen_layers, k, lambda_frozen)),
       'estimated_memory_per_stage': memory,
   }
 

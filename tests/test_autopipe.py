@@ -82,19 +82,50 @@ def test_balance_takes_the_narrowest_of_the_optimal_splits(seed):
 
 
 def test_the_default_model_s_stages_after_a_freeze_are_one_block_wide_where_balance_allows():
-  """The embedded default (12 blocks, parameter costs, λ_frozen = 1/6): at
-  F = 6 the frozen charge on stage 0 leaves the others room, and a split with
-  the same largest stage puts every stage within one block (the plain split
-  straddled blocks: two slots a stage); at F = 4 no such split exists."""
+  """The embedded default (12 blocks, parameter costs, λ_frozen = 1/6),
+  balanced around the frozen charge as Algorithm 1 does: at F = 6 the charge
+  on stage 0 leaves the others room, and a split with the same largest stage
+  puts every stage within one block (the plain split straddled blocks: two
+  slots a stage); at F = 4 no such split exists."""
   attn, mlp = 16.6, 33.1
   costs = autopipe.UnitCosts(12, (12.0,) + (attn, mlp) * 12 + (0.6,))
-  six = autopipe.partition_for(costs, 6, 8, 1 / 6)
+  six = autopipe.partition_for(costs, 6, 8, 1 / 6, charge_first_stage=True)
   plain = autopipe.balance(costs.active(6), 8, costs.frozen(6) / 6)
   assert Partition(12, 6, plain).tables.num_slots == 2
   assert six.partition.tables.num_slots == 1
   assert six.memory_proxy == pytest.approx(
       max(_stage_sums(costs.active(6), plain, costs.frozen(6) / 6)))
-  assert autopipe.partition_for(costs, 4, 8, 1 / 6).partition.tables.num_slots == 2
+  assert autopipe.partition_for(costs, 4, 8, 1 / 6,
+                                charge_first_stage=True).partition.tables.num_slots == 2
+
+
+@pytest.mark.parametrize('frozen', [2, 4, 6])
+def test_a_run_s_partition_balances_the_active_units_alone(frozen):
+  """The frozen prefix runs outside the pipeline, so the partition a run
+  trains with balances the active units without the frozen charge (brute
+  force), where Algorithm 1's, balanced around it, loads the other stages
+  more; Eq. 2's proxy of either charges stage 0. compress decides K on the
+  charged partitions and returns the run's partition at that K."""
+  attn, mlp = 16.6, 33.1
+  costs = autopipe.UnitCosts(12, (12.0,) + (attn, mlp) * 12 + (0.6,))
+  active, charge = costs.active(frozen), costs.frozen(frozen) / 6
+  run = autopipe.partition_for(costs, frozen, 8, 1 / 6)
+  charged = autopipe.partition_for(costs, frozen, 8, 1 / 6, charge_first_stage=True)
+  assert max(run.stage_costs) == pytest.approx(_brute_force(active, 8))
+  assert charged.memory_proxy == pytest.approx(_brute_force(active, 8, charge))
+  assert max(charged.stage_costs) >= max(run.stage_costs) - 1e-9
+  if frozen == 4:  # here the charge moves units off stage 0 onto the largest stage
+    assert max(charged.stage_costs) > max(run.stage_costs) + 10.0
+  for plan in (run, charged):
+    assert plan.memory_proxy == pytest.approx(max(_stage_sums(
+        active, plan.partition.stage_sizes, charge)))
+  reference = _brute_force(costs.active(0), 8)
+  for lam in (0.0, 1 / 6, 1.0):
+    k = 8
+    while k > 1 and _brute_force(active, k // 2, lam * costs.frozen(frozen)) <= reference:
+      k //= 2
+    got = autopipe.compress(costs, frozen, 8, 8, lam)
+    assert got.partition == autopipe.partition_for(costs, frozen, k, lam).partition
 
 
 def _uniform(num_layers, embed=1.0, sub=2.0, head=1.0):
@@ -112,8 +143,12 @@ def test_compression_follows_eq2():
   # over 2 stages ≥ 7 > 5 → stop.
   plan = autopipe.compress(costs, 5, 8, 8, 0.05)
   assert plan.partition.pipeline_length == 4
-  assert plan.memory_proxy == pytest.approx(4.0)
+  assert autopipe.eq2_proxy(costs, 5, 4, 0.05) == pytest.approx(4.0)
   assert plan.frozen_cost == pytest.approx(21.0)
+  # The run's partition at K = 4 balances the 13 active units alone (max 4 as
+  # well; its first stage takes 2+2, so its own Eq. 2 proxy is 5.05).
+  assert max(plan.stage_costs) == pytest.approx(4.0)
+  assert plan.memory_proxy == pytest.approx(5.05)
   # With λ=1 and 4 frozen blocks, stage 0 carries 17: no compression.
   assert autopipe.compress(costs, 4, 8, 8, 1.0).partition.pipeline_length == 8
   # More stages than active units forces halving, whatever the memory: 5 frozen
@@ -662,9 +697,11 @@ def test_a_split_mlp_is_taken_when_it_lowers_the_largest_stage_enough():
   # mlp.2 split would own 2,869 parameters on its largest stage, within the
   # T = 0 stage's 3,104, but whole it owns 3,112: K stays 4.
   split_costs = autopipe.parameter_costs(params, keys, 0.0)
-  assert autopipe.partition_for(split_costs, 2, 2, 1 / 6).memory_proxy < 3104 < (
-      autopipe.partition_for(whole, 2, 2, 1 / 6).memory_proxy)
-  assert autopipe.partition_for(whole, 0, 4, 1 / 6).memory_proxy == 3104
+  charged = dict(charge_first_stage=True)  # Algorithm 1's partitions, as Eq. 2 compares
+  assert autopipe.partition_for(split_costs, 2, 2, 1 / 6, **charged).memory_proxy < 3104 < (
+      autopipe.partition_for(whole, 2, 2, 1 / 6, **charged).memory_proxy)
+  assert autopipe.eq2_proxy(split_costs, 2, 2, 1 / 6) == 3112
+  assert autopipe.eq2_proxy(split_costs, 0, 4, 1 / 6) == 3104
   for start in (8, 4):
     for frozen in range(4):
       got = autopipe.compress(split_costs, frozen, start, start, 1 / 6).partition
