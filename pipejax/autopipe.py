@@ -31,8 +31,8 @@ beside the paper's proxy.)
 
 Partitioning is exact, not greedy: the contiguous partition minimising the
 largest stage cost (dynamic programming over the ≤ 2L+2 units). Many
-partitions often reach that optimum (the first stage's frozen charge leaves
-the others slack); among them the one whose stages touch the fewest blocks
+partitions often reach that optimum (in Algorithm 1's, the first stage's
+frozen charge leaves the others slack); among them the one whose stages touch the fewest blocks
 is taken, since every stage runs as many block slots as the widest one
 (:mod:`pipejax.partition`) and each slot costs a branch at every pipeline
 tick. The balance, Eq. 2's proxy and so compression are unchanged by that
@@ -44,7 +44,10 @@ of :mod:`models` say which MLP parameters each half holds). The partition is the
 pieces; it is taken when it lowers the largest stage's cost by at least that
 fraction of the whole-sub-layer optimum, since every pipeline tick then
 carries the MLP's inner activation (``intermediate / hidden`` times the
-residual stream's bytes) besides the residual stream. Of the split partitions
+residual stream's bytes) besides the residual stream, and when its stages
+are no wider in block slots than the whole-sub-layer partition's (a slot
+costs every tick: the embedded default's K = 8 step at F = 4 took a sixth
+longer with a split MLP and two slots than whole and one slot wide). Of the split partitions
 that reach the optimum, the one with the fewest splits, then the narrowest, is
 taken. ViT-B/16 on 8 stages: 12.58M parameters on the largest stage with
 whole sub-layers, 11.82M with split MLPs. A split changes what a stage owns
@@ -256,7 +259,9 @@ def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int
   if costs.can_split and pipeline_length > 1:
     split = _split_partition(costs, num_frozen_layers, pipeline_length, charged, offset)
     if split is not None and (_largest(split, charged)
-                              <= (1.0 - costs.split_mlp_min_gain) * _largest(plan, charged)):
+                              <= (1.0 - costs.split_mlp_min_gain) * _largest(plan, charged)
+                              and split.partition.tables.num_slots
+                              <= plan.partition.tables.num_slots):
       return split
   return plan
 
@@ -375,7 +380,11 @@ def compress(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,
   first, whatever the memory. With ``num_devices``, a length that does not
   divide them (an odd length halved because of too few units: 5 → 2 on 5
   devices) becomes the largest one below it that does, so that R = N / K
-  replicas take every device."""
+  replicas take every device.
+
+  Returns the run's partition at that K (:func:`partition_for`'s default,
+  balanced without the frozen charge); its ``memory_proxy`` is Eq. 2's for
+  that partition, which may exceed the value compared (:func:`eq2_proxy`)."""
   # K is decided on whole sub-layers, the reference and the candidates alike:
   # a split MLP lowers the parameters a stage owns, not what its device
   # stores (the stage layout is dense; see pipejax.partition), so it must

@@ -189,8 +189,9 @@ def host_subset(num_samples: int, process_index: int, process_count: int,
   The IDs are permuted once with ``seed`` (the same on every host) and split
   into ``process_count`` equal parts; host ``process_index`` gets one part,
   sorted, for the whole run. :class:`ShardedLoader` gives it to a shard's
-  ``Loader(ids=...)``, which reshuffles only within it every epoch, so a sample never moves to another
-  host and its cached activations stay useful. The ``num_samples %
+  ``Loader(ids=...)``, which reshuffles only within it every epoch, so a
+  sample never moves to another host and its cached activations stay
+  useful. The ``num_samples %
   process_count`` left-over IDs are dropped so every host runs the same
   number of steps.
 

@@ -10,9 +10,10 @@ parameter count: the partition a run trains with, which balances the active
 sub-layers alone (the frozen prefix runs outside the pipeline);
 ``pipeline_length`` is after compression (Eq. 2) from
 ``--initial-pipeline-length`` (default: the device count), and
-``memory_proxy_eq2`` the proxy it compared at that length (the largest stage
-of Algorithm 1's partition, balanced around ``--lambda-frozen`` times the
-frozen parameters charged to its first stage);
+``memory_proxy_eq2`` Eq. 2's proxy at that length, what compression compares
+with its value at T = 0 (the largest stage of Algorithm 1's partition,
+balanced around ``--lambda-frozen`` times the frozen parameters charged to its
+first stage);
 ``micro_batches`` is the choice that a training run of the same model (the
 ``--model`` preset: a run of a custom model, such as the embedded default's,
 is never read) on as many devices (and ``--batch-size``, when given)
