@@ -42,7 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from experiments import elastic, vit_imagenet  # noqa: E402
 from pipejax import autodp, reporting  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
-from pipejax.trainer import EVAL_BATCH_FACTOR, optimizer_for  # noqa: E402
+from pipejax.optimizer import optimizer_for  # noqa: E402
+from pipejax.trainer import EVAL_BATCH_FACTOR  # noqa: E402
 
 
 def run(config, workdir: str) -> dict:

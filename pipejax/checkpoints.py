@@ -132,7 +132,7 @@ def checksums(packed: dict[str, np.ndarray]) -> dict[str, int]:
 
 #: ``(saved, wanted)`` dtypes of a scalar that restores cast: the
 #: learning-rate schedule's count, an int32 until per_pipeline batches made it
-#: a float32 (:func:`pipejax.trainer.optimizer_for`).
+#: a float32 (:func:`pipejax.optimizer.optimizer_for`).
 CASTS = {('int32', 'float32')}
 
 

@@ -18,6 +18,7 @@ import pytest
 from experiments import vit_imagenet
 from models.layered import unit_rng
 from pipejax import autodp, autopipe
+from pipejax import optimizer as optimizer_lib
 from pipejax import pipeline
 from pipejax import resume
 from pipejax import trainer as trainer_lib
@@ -728,7 +729,7 @@ def test_a_train_loader_that_pads_its_last_batch_trains_on_the_real_samples_only
                     log=lambda _: None)
   assert trainer.plan.replicas == 2 and loader.steps_per_epoch() == 3
   trainer.train_epoch(0, _Bar())
-  _, tx = trainer_lib.optimizer_for(config.train, steps_per_epoch=3)
+  _, tx = optimizer_lib.optimizer_for(config.train, steps_per_epoch=3)
   params, state = created.params, tx.init(created.params)
   step = jax.jit(jax.value_and_grad(lambda p, b: created.model.loss(p, b)[0]))
   batches = list(loader.epoch(0))
@@ -764,7 +765,7 @@ def test_clipping_and_sparing_biases_and_norms_equal_optax_on_the_sequential_mod
 
   mask = jax.tree_util.tree_map_with_path(decayed, created.params)
   assert 0 < sum(jax.tree.leaves(mask)) < len(jax.tree.leaves(mask))
-  lr, _ = trainer_lib.optimizer_for(config.train, steps_per_epoch=3)
+  lr, _ = optimizer_lib.optimizer_for(config.train, steps_per_epoch=3)
   step = jax.jit(jax.value_and_grad(lambda p, b: created.model.loss(p, b)[0]))
   norms = []
 
@@ -1252,7 +1253,7 @@ def test_per_pipeline_schedule_ends_with_the_last_epoch(tmp_path, samples, cap):
     return contextlib.nullcontext(_Bar())
 
   def spy():
-    counts.append((epochs[-1], float(trainer_lib.schedule_count(trainer.state['opt']))))
+    counts.append((epochs[-1], float(optimizer_lib.schedule_count(trainer.state['opt']))))
     return False
 
   store_keys, compile_program = [], trainer.programs.compile
@@ -1287,7 +1288,7 @@ def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
   every step is one base step; ``base_steps=n`` moves the schedule n places
   (per_pipeline batches) while Adam's bias correction counts updates."""
   config = _config()
-  lr, tx = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  lr, tx = optimizer_lib.optimizer_for(config.train, steps_per_epoch=5)
   reference = optax.adamw(lr, weight_decay=config.train.weight_decay)
   rng = np.random.default_rng(0)
   params = {'w': jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), 'b': jnp.ones(3)}
@@ -1301,11 +1302,11 @@ def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref_params), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert jax.tree.structure(state) == jax.tree.structure(ref_state)
-  assert int(trainer_lib.schedule_count(state)) == 4
+  assert int(optimizer_lib.schedule_count(state)) == 4
   # Two base steps per update: the schedule at 4, then 6; Adam's count 5.
   grads = jax.tree.map(jnp.ones_like, params)
   updates, doubled = tx.update(grads, state, ours, base_steps=2)
-  assert int(trainer_lib.schedule_count(doubled)) == 6
+  assert int(optimizer_lib.schedule_count(doubled)) == 6
   assert int(doubled[0].count) == 5
   adam, _ = optax.scale_by_adam().update(grads, state[0], ours)
   expected = jax.tree.map(lambda a, p: -lr(4) * (a + config.train.weight_decay * p), adam, ours)
@@ -1314,14 +1315,14 @@ def test_optimizer_is_adamw_and_its_schedule_counts_base_steps():
   # per_pipeline: fractional base steps, counted in float32; the epoch-end set.
   with config.unlocked():
     config.train.batch_mode = 'per_pipeline'
-  lr, tx = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  lr, tx = optimizer_lib.optimizer_for(config.train, steps_per_epoch=5)
   state = tx.init(params)
   for _ in range(2):
     _, state = tx.update(grads, state, params, base_steps=5 / 2)
-  assert trainer_lib.schedule_count(state).dtype == jnp.float32
-  assert float(trainer_lib.schedule_count(state)) == 5.0 and int(state[0].count) == 2
-  state = trainer_lib.with_schedule_count(state, 7)
-  assert float(trainer_lib.schedule_count(state)) == 7.0 and int(state[0].count) == 2
+  assert optimizer_lib.schedule_count(state).dtype == jnp.float32
+  assert float(optimizer_lib.schedule_count(state)) == 5.0 and int(state[0].count) == 2
+  state = optimizer_lib.with_schedule_count(state, 7)
+  assert float(optimizer_lib.schedule_count(state)) == 7.0 and int(state[0].count) == 2
 
 
 def test_learning_rate_schedule_is_linear_warmup_then_cosine_to_zero():
@@ -1331,7 +1332,7 @@ def test_learning_rate_schedule_is_linear_warmup_then_cosine_to_zero():
   config = _config(epochs=3)
   with config.unlocked():
     config.train.update(warmup_epochs=1.0, learning_rate=0.5)
-  lr, _ = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  lr, _ = optimizer_lib.optimizer_for(config.train, steps_per_epoch=5)
   peak, warmup, total = 0.5, 5, 15
   for k in range(total + 1):
     if k <= warmup:
@@ -1342,7 +1343,7 @@ def test_learning_rate_schedule_is_linear_warmup_then_cosine_to_zero():
   # No warm-up: the first step at the peak (a step at 0 would only move Adam's moments).
   with config.unlocked():
     config.train.warmup_epochs = 0.0
-  lr, _ = trainer_lib.optimizer_for(config.train, steps_per_epoch=5)
+  lr, _ = optimizer_lib.optimizer_for(config.train, steps_per_epoch=5)
   for k in range(total + 1):
     assert float(lr(k)) == pytest.approx(peak * 0.5 * (1 + math.cos(math.pi * k / total)),
                                          rel=1e-6, abs=1e-7), k
