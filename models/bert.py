@@ -23,10 +23,6 @@ from models import layered
 HEADS = ('classification', 'question_answering', 'encoder')
 
 
-def _rngs(rng, train):
-  return {'dropout': rng} if (train and rng is not None) else {}
-
-
 def build(config: BertConfig, head: str = 'classification') -> layered.LayeredModel:
   """Builds the layered view of a Flax BERT model.
 
@@ -59,11 +55,11 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
     position_ids = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
     return embeddings.apply({'params': params}, input_ids, batch['token_type_ids'],
                             position_ids, batch['attention_mask'],
-                            deterministic=not train, rngs=_rngs(rng, train))
+                            deterministic=not train, rngs=layered.dropout_rngs(rng, train))
 
   def attention_fn(params, hidden, batch, rng, train):
     return attention.apply({'params': params}, hidden, batch['attention_mask'], None,
-                           deterministic=not train, rngs=_rngs(rng, train))[0]
+                           deterministic=not train, rngs=layered.dropout_rngs(rng, train))[0]
 
   def mlp_in_fn(params, hidden, batch, rng, train):
     del batch, rng, train  # no dropout before the output layer
@@ -72,11 +68,7 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
   def mlp_out_fn(params, inner, hidden, batch, rng, train):
     del batch
     return output.apply({'params': params['output']}, inner, hidden,
-                        deterministic=not train, rngs=_rngs(rng, train))
-
-  def mlp_fn(params, hidden, batch, rng, train):
-    inner = mlp_in_fn(params, hidden, batch, rng, train)
-    return mlp_out_fn(params, inner, hidden, batch, rng, train)
+                        deterministic=not train, rngs=layered.dropout_rngs(rng, train))
 
   def logits_fn(params, hidden, batch, rng, train):
     del batch
@@ -87,7 +79,8 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
       start, end = jnp.split(logits, config.num_labels, axis=-1)
       return start.squeeze(-1), end.squeeze(-1)
     pooled = pooler.apply({'params': params['pooler']}, hidden)
-    pooled = dropout.apply({}, pooled, deterministic=not train, rngs=_rngs(rng, train))
+    pooled = dropout.apply({}, pooled, deterministic=not train,
+                           rngs=layered.dropout_rngs(rng, train))
     return dense.apply({'params': params['classifier']}, pooled)
 
   def loss_fn(params, hidden, batch, rng, train):
@@ -170,7 +163,8 @@ def build(config: BertConfig, head: str = 'classification') -> layered.LayeredMo
                   'question_answering': ('start_positions', 'end_positions'),
                   'encoder': ()}[head],
       block_keys=('attention_mask',), embed_fn=layered.unit(embed_fn, 3),
-      attention_fn=layered.unit(attention_fn, 4), mlp_fn=layered.unit(mlp_fn, 4),
+      attention_fn=layered.unit(attention_fn, 4),
+      mlp_fn=layered.unit(layered.mlp_of_halves(mlp_in_fn, mlp_out_fn), 4),
       logits_fn=layered.unit(logits_fn, 4), loss_fn=layered.unit(loss_fn, 4),
       hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf,
       mlp_in_fn=layered.unit(mlp_in_fn, 4), mlp_out_fn=layered.unit(mlp_out_fn, 5),

@@ -167,6 +167,21 @@ def unit(fn: Callable, train_argnum: int) -> Callable:
   return jax.jit(fn, static_argnums=(train_argnum,))
 
 
+def dropout_rngs(rng: jax.Array | None, train: bool) -> dict[str, jax.Array]:
+  """The ``rngs`` of a Flax module's ``apply``: ``rng`` for dropout while
+  training, none otherwise."""
+  return {'dropout': rng} if (train and rng is not None) else {}
+
+
+def mlp_of_halves(mlp_in_fn: Callable, mlp_out_fn: Callable) -> Callable:
+  """The whole MLP sub-layer from its two halves:
+  ``mlp_out(mlp_in(hidden), hidden)``, as :class:`LayeredModel` requires."""
+  def mlp_fn(params, hidden, batch, rng, train):
+    inner = mlp_in_fn(params, hidden, batch, rng, train)
+    return mlp_out_fn(params, inner, hidden, batch, rng, train)
+  return mlp_fn
+
+
 def unit_rng(rng: jax.Array | None, unit: int) -> jax.Array | None:
   """The dropout key of one unit: the same wherever the unit runs."""
   return None if rng is None else jax.random.fold_in(rng, unit)

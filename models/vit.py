@@ -21,10 +21,6 @@ _ATTENTION_KEYS = ('attention', 'layernorm_before')
 _MLP_KEYS = ('intermediate', 'output', 'layernorm_after')
 
 
-def _rngs(rng, train):
-  return {'dropout': rng} if (train and rng is not None) else {}
-
-
 def build(config: ViTConfig) -> layered.LayeredModel:
   """Builds the layered view of ``FlaxViTForImageClassification(config)``."""
   layer_norm = nn.LayerNorm(epsilon=config.layer_norm_eps)
@@ -36,13 +32,13 @@ def build(config: ViTConfig) -> layered.LayeredModel:
 
   def embed_fn(params, batch, rng, train):
     return embeddings.apply({'params': params}, batch['pixel_values'],
-                            deterministic=not train, rngs=_rngs(rng, train))
+                            deterministic=not train, rngs=layered.dropout_rngs(rng, train))
 
   def attention_fn(params, hidden, batch, rng, train):
     del batch
     normed = layer_norm.apply({'params': params['layernorm_before']}, hidden)
     out = attention.apply({'params': params['attention']}, normed,
-                          deterministic=not train, rngs=_rngs(rng, train))[0]
+                          deterministic=not train, rngs=layered.dropout_rngs(rng, train))[0]
     return out + hidden
 
   def mlp_in_fn(params, hidden, batch, rng, train):
@@ -53,11 +49,7 @@ def build(config: ViTConfig) -> layered.LayeredModel:
   def mlp_out_fn(params, inner, hidden, batch, rng, train):
     del batch
     return output.apply({'params': params['output']}, inner, hidden,
-                        deterministic=not train, rngs=_rngs(rng, train))
-
-  def mlp_fn(params, hidden, batch, rng, train):
-    inner = mlp_in_fn(params, hidden, batch, rng, train)
-    return mlp_out_fn(params, inner, hidden, batch, rng, train)
+                        deterministic=not train, rngs=layered.dropout_rngs(rng, train))
 
   def logits_fn(params, hidden, batch, rng, train):
     del batch, rng, train
@@ -97,7 +89,8 @@ def build(config: ViTConfig) -> layered.LayeredModel:
       name='vit', hf_config=config, num_layers=config.num_hidden_layers,
       input_keys=('pixel_values',), label_keys=('labels',),
       block_keys=(), embed_fn=layered.unit(embed_fn, 3),
-      attention_fn=layered.unit(attention_fn, 4), mlp_fn=layered.unit(mlp_fn, 4),
+      attention_fn=layered.unit(attention_fn, 4),
+      mlp_fn=layered.unit(layered.mlp_of_halves(mlp_in_fn, mlp_out_fn), 4),
       logits_fn=layered.unit(logits_fn, 4), loss_fn=layered.unit(loss_fn, 4),
       hf_to_canonical=hf_to_canonical, canonical_to_hf=canonical_to_hf,
       mlp_in_fn=layered.unit(mlp_in_fn, 4), mlp_out_fn=layered.unit(mlp_out_fn, 5),

@@ -246,12 +246,7 @@ class ProgramStore:
         try:
           compiled, fresh, content = self._load(path, args, donate_argnums, options)
         except Exception as e:  # noqa: BLE001 - any unusable entry is traced afresh
-          if runtime.out_of_memory(e):
-            raise  # the memory, not the entry: it stays
-          self._count('corrupt')
-          self.log(f'program store: {os.path.basename(path)} is unusable '
-                   f'({type(e).__name__}: {str(e)[:160]}); removed and traced afresh')
-          diskcache.remove(path)
+          self._discard(path, e, 'corrupt', 'removed and traced afresh')
           compiled = None
         else:
           self._keep_executable(path, compiled, fresh, content)
@@ -280,6 +275,18 @@ class ProgramStore:
           self._keep_executable(path, compiled, fresh, content)
     self._count('misses', 'compile_seconds', time.perf_counter() - t0)
     return compiled
+
+  def _discard(self, path: str, error: Exception, counter: str, then: str) -> None:
+    """Counts (``counter``), reports and removes the stored file ``path``
+    that ``error`` made unusable; ``then`` says what happens instead. An
+    out-of-memory ``error`` is raised again: the memory, not the file, failed,
+    and the file stays."""
+    if runtime.out_of_memory(error):
+      raise error
+    self._count(counter)
+    self.log(f'program store: {os.path.basename(path)} is unusable '
+             f'({type(error).__name__}: {str(error)[:160]}); {then}')
+    diskcache.remove(path)
 
   def _load_executable(self, path: str):
     """The stored executable of the program at ``path``; None when there is
@@ -312,12 +319,7 @@ class ProgramStore:
       compiled = serialize_executable.deserialize_and_load(
           payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
     except Exception as e:  # noqa: BLE001 - any unusable executable is compiled afresh
-      if runtime.out_of_memory(e):
-        raise  # the memory, not the executable: it stays
-      self._count('executables_unusable')
-      self.log(f'program store: {os.path.basename(executable)} is unusable '
-               f'({type(e).__name__}: {str(e)[:160]}); removed, compiled from its program')
-      diskcache.remove(executable)
+      self._discard(executable, e, 'executables_unusable', 'removed, compiled from its program')
       return None
     self._count('executables_loaded')
     diskcache.touch(pointer)
