@@ -24,8 +24,7 @@ import time
 
 import numpy as np
 
-from experiments import elastic
-from experiments.bench_cache import check_positive
+from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax import diskcache, runtime
 from pipejax.autocache import ActivationCache
 
@@ -61,7 +60,7 @@ OUTPUT = 'bench_autocache.json'
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is written."""
   check_positive(args, ('batch', 'seq', 'hidden', 'batches'))
-  elastic.check_workdir(args.workdir, checkpoints_enabled=False, files=(OUTPUT,))
+  check_workdir_flag(args.workdir, (OUTPUT,))
 
 
 def main(argv=None) -> int:

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from pipejax import runtime
+from pipejax import diskcache, runtime
 
 VARIANTS = {
     'always': ['--config.cache.policy=always'],
@@ -112,6 +112,16 @@ def check_positive(args, flags: tuple[str, ...]) -> None:
     if getattr(args, flag) < 1:
       raise ValueError(f'--{flag.replace("_", "-")} must be at least 1, '
                        f'got {getattr(args, flag)}')
+
+
+def check_workdir_flag(workdir: str, files: tuple[str, ...]) -> None:
+  """A benchmark's ``--workdir`` can hold its output ``files``
+  (:func:`pipejax.diskcache.outputs_problem`, the check the main job's
+  ``elastic.check_workdir`` makes, without importing JAX); else
+  :class:`ValueError`, one line."""
+  problem = diskcache.outputs_problem(workdir, files)
+  if problem:
+    raise ValueError(f'cannot use --workdir={workdir}: {problem}')
 
 
 def freezes_nothing(passthrough: list[str]) -> bool:

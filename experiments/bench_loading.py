@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from experiments import datasets, elastic
-from experiments.bench_cache import check_positive
+from experiments import datasets
+from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax import runtime
 from pipejax.data import TfdsSource, default_workers
 
@@ -83,7 +83,7 @@ def _digest(batch: dict) -> str:
 def _check(args) -> None:
   """Bad flags as one ``ValueError`` line, before anything is built or written."""
   check_positive(args, ('images', 'batch', 'rounds'))
-  elastic.check_workdir(args.workdir, checkpoints_enabled=False, files=('bench_loading.json',))
+  check_workdir_flag(args.workdir, ('bench_loading.json',))
 
 
 def main(argv=None) -> int:

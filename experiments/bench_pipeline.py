@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from experiments.bench_cache import check_positive
+from experiments.bench_cache import check_positive, check_workdir_flag
 from pipejax import diskcache, runtime, schedule
 
 OUTPUT = 'bench_pipeline.json'
@@ -72,9 +72,7 @@ def _check(args) -> None:
     if name not in schedule.SCHEDULES:
       raise ValueError(f'--schedules: unknown schedule {name!r}; expected some of '
                        f'{",".join(sorted(schedule.SCHEDULES))}')
-  problem = diskcache.outputs_problem(args.workdir, (OUTPUT,))
-  if problem:
-    raise ValueError(f'cannot use --workdir={args.workdir}: {problem}')
+  check_workdir_flag(args.workdir, (OUTPUT,))
 
 
 def main(argv=None) -> int:
