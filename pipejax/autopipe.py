@@ -255,24 +255,24 @@ def partition_for(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int
                      frozen, offset)
   if costs.can_split and pipeline_length > 1:
     split = _split_partition(costs, num_frozen_layers, pipeline_length, charged, offset)
-    if split is not None and (_largest(split, charged)
-                              <= (1.0 - costs.split_mlp_min_gain) * _largest(plan, charged)):
+    keep = 1.0 - costs.split_mlp_min_gain
+    if split is not None and (_largest(split.stage_costs, charged)
+                              <= keep * _largest(plan.stage_costs, charged)):
       return split
   return plan
 
 
-def _largest(plan: StagePlan, first_stage_charge: float) -> float:
-  """The largest stage cost of ``plan``, its first stage charged
-  ``first_stage_charge``: what :func:`balance` minimises."""
-  return max(plan.stage_costs[0] + first_stage_charge, *plan.stage_costs[1:])
+def _largest(stage_costs, first_stage_charge: float) -> float:
+  """The largest of ``stage_costs``, the first stage charged
+  ``first_stage_charge``: what :func:`balance` minimises, and Eq. 2's proxy."""
+  return max([stage_costs[0] + first_stage_charge, *stage_costs[1:]])
 
 
 def _stage_plan(partition: Partition, stage_costs, frozen: float, offset: float) -> StagePlan:
   """A :class:`StagePlan`, its memory proxy (Eq. 2) charging ``offset``
   (λ_frozen · S_frozen) to the first stage."""
   stage_costs = tuple(float(c) for c in stage_costs)
-  return StagePlan(partition, stage_costs, frozen,
-                   max(c + (offset if i == 0 else 0.0) for i, c in enumerate(stage_costs)))
+  return StagePlan(partition, stage_costs, frozen, _largest(stage_costs, offset))
 
 
 def _split_partition(costs: UnitCosts, num_frozen_layers: int, pipeline_length: int,

@@ -233,6 +233,10 @@ def test_partition_has_active_units_only():
   plan = autopipe.partition_for(costs, 2, 2, 1 / 6)
   assert plan.partition.active_units == (5, 6, 7, 8, 9)
   assert sum(plan.stage_costs) == pytest.approx(4 * 2.0 + 1.0)
+  # One stage: it holds every active unit, its proxy charged λ · S_frozen (the
+  # embedding and 2 blocks: 1 + 4 × 2).
+  one = autopipe.partition_for(costs, 2, 1, 1 / 6)
+  assert one.stage_costs == (9.0,) and one.memory_proxy == pytest.approx(9.0 + 9.0 / 6)
   with pytest.raises(PartitionError):
     autopipe.balance([1.0, 2.0], 3)
 
