@@ -190,7 +190,7 @@ def markdown() -> str:
            'Set one with `--config.KEY=VALUE`; `--help` prints every key with the value the',
            'rest of the command line gives it, and this meaning under it. Written by',
            '`python -m experiments.config_keys > docs/config.md` from',
-           '`experiments/config_keys.py`; the README says more of each part.', '']
+           '`experiments/config_keys.py`; `docs/guide.md` says more of each part.', '']
   for section, keys in sections.items():
     lines += [f'## {section or "top level"}', '',
               '| key | `vit_imagenet` | `bert_glue` | `bert_squad` | meaning |',

@@ -175,7 +175,7 @@ def check_config(config, num_devices_available: int) -> None:
 
 
 def _check_multi_process(c) -> None:
-  """What a job of several processes needs on top (see README, Several hosts)."""
+  """What a job of several processes needs on top (see docs/guide.md, Several hosts)."""
   local = jax.local_device_count()
   if c.pipeline.devices != jax.device_count():
     raise ConfigError(f'pipeline.devices={c.pipeline.devices} must be all {jax.device_count()} '

@@ -93,7 +93,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.cache.directory = ''  # default: <workdir>/cache
   c.cache.on_mismatch = 'refuse'  # a cache directory of another run: 'refuse' or 'clear'
   c.cache.accept_reused_augmentation = False  # cache a randomly augmented prefix input anyway
-  c.distributed = ml_collections.ConfigDict()  # several processes / hosts (README)
+  c.distributed = ml_collections.ConfigDict()  # several processes / hosts (docs/guide.md)
   c.distributed.coordinator = ''  # 'host:port' of process 0, 'auto' (SLURM, ...), '': one process
   c.distributed.num_processes = 1
   c.distributed.process_id = 0

@@ -580,7 +580,7 @@ def test_trimming_removes_the_least_recently_used_files_of_the_store_only(tmp_pa
   executable older than its program and pointer, which is then compiled
   again from the program, quietly (not damage), to the same bits. A user's
   files, older and larger than all, stay and count for nothing. Opened
-  without ``max_bytes``, the store keeps 1 GiB (the README's bound)."""
+  without ``max_bytes``, the store keeps 1 GiB (the bound docs/guide.md states)."""
   salts = {1: _salt(), 2: _salt(), 4: _salt()}
   salts[3] = salts[2]  # runs 2 and 3: one program, one executable
   want, entry = {}, {}

@@ -109,7 +109,7 @@ def test_interrupted_runs_resume_exactly(tmp_path, capsys):
 
   # Saved on 8 devices (K=2, R=4), resumed on 4: the plan is recomputed for
   # F=1 on them (R=2); the maths is the same, only the reduction order differs:
-  # README promises the losses "equal to about 1e-6" (measured: 9.3e-8 relative
+  # docs/guide.md promises the losses "equal to about 1e-6" (measured: 9.3e-8 relative
   # in epoch 2, 0 before). An accuracy is a count over the samples, which
   # such a difference leaves as it is (measured: all equal).
   fewer_summary = elastic.run(config(**{'pipeline.devices': 4}), fewer, task='vit')
@@ -1474,7 +1474,7 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
   SIGTERM (saves, exit 75), rerun to the end: the rows equal an uninterrupted
   run's; metrics rows survive the SIGKILL. AutoCache is on: the reference
   serves entries advanced through newly frozen blocks, the resumed run
-  rebuilt ones, equal up to the last bit: README promises the losses within
+  rebuilt ones, equal up to the last bit: the README promises the losses within
   2e-7 relative and the final accuracy equal (measured: every loss and
   accuracy bitwise equal)."""
   config = _config(str(tmp_path / 'p-ref.json'), **{'train.max_steps_per_epoch': 4,
