@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import models
 from experiments import config_keys, datasets, text_data, text_eval
-from pipejax import (autodp, autopipe, checkpoints, diskcache, distributed, freeze, frozen_prefix,
+from pipejax import (autodp, checkpoints, diskcache, distributed, freeze, frozen_prefix,
                      pipeline, reporting, resume, runtime, schedule)
 from pipejax.autocache import CacheMismatchError
 from pipejax.data import DataReadError, Loader, ShardedLoader
@@ -92,10 +92,10 @@ def check_config(config, num_devices_available: int) -> None:
     raise ConfigError(f'checkpoint.every_steps must be >= 0, got {c.checkpoint.every_steps}')
   if c.checkpoint.keep < 1:
     raise ConfigError(f'checkpoint.keep must be >= 1, got {c.checkpoint.keep}')
-  if c.data.get('workers', 0) < 0:
+  if 'workers' in c.data and c.data.workers < 0:  # image data only
     raise ConfigError(f'data.workers must be >= 0 (0: one thread per CPU core), '
                       f'got {c.data.workers}')
-  split_gain = c.pipeline.get('split_mlp_min_gain', autopipe.SPLIT_MLP_MIN_GAIN)
+  split_gain = c.pipeline.split_mlp_min_gain
   if not 0 <= split_gain <= 1:  # also refuses NaN
     raise ConfigError(f'pipeline.split_mlp_min_gain must be in [0, 1] (1: never split an '
                       f'MLP between stages), got {split_gain}')
@@ -162,9 +162,11 @@ def check_config(config, num_devices_available: int) -> None:
                       f'{c.cache.on_mismatch!r}')
   if c.model.preset == 'custom' and not c.model.pretrained:
     _check_custom_model(c.model)  # the data are not needed for these sizes
-  init = c.model.get('initializer_range', 1.0)
-  if not 0 < init < math.inf:  # NaN too: the first loss would blame training
-    raise ConfigError(f'model.initializer_range must be > 0 and finite, got {init}')
+  # The ViT's key; a BERT is initialised as its HF config says.
+  if 'initializer_range' in c.model and not 0 < c.model.initializer_range < math.inf:
+    # NaN too: the first loss would blame training.
+    raise ConfigError(f'model.initializer_range must be > 0 and finite, '
+                      f'got {c.model.initializer_range}')
   # The layer count bound is checked once the model is built (a preset or a
   # pretrained model need not have model.num_layers blocks).
   freeze.check_config(c.freeze.policy, c.freeze.alpha,
@@ -417,7 +419,7 @@ def check_tokenizer_fits(config) -> None:
 def _image_processor(config):
   """``model.pretrained``'s HF image processor for ImageNet, or None (no
   checkpoint, or one saved without a processor)."""
-  path = config.model.get('pretrained', '')
+  path = config.model.pretrained
   if not path:
     return None
   try:
@@ -428,7 +430,7 @@ def _image_processor(config):
 
 def check_kind(config, task: str) -> None:
   """``model.kind`` names the entry point's model; another one is refused."""
-  kind = config.model.get('kind', KINDS.get(task))
+  kind = config.model.kind
   if task in KINDS and kind != KINDS[task]:
     raise ConfigError(f'model.kind names the model of this entry point, {KINDS[task]!r}; got '
                       f'{kind!r} (another model needs another entry point)')

@@ -264,11 +264,11 @@ class Trainer:
                                       min(min_active, model.num_layers))
     self.costs = autopipe.parameter_costs(
         params, model.mlp_in_keys if model.can_split_mlp else (),
-        c.pipeline.get('split_mlp_min_gain', autopipe.SPLIT_MLP_MIN_GAIN))
+        c.pipeline.split_mlp_min_gain)
     self.initial_length = c.pipeline.initial_length
     autodp.replicas_for(self.num_devices, self.initial_length)  # raises if K does not divide N
     self.pipe = pipeline.Pipeline(model, devices=self.devices,
-                                  exchange=c.pipeline.get('exchange', 'auto'))
+                                  exchange=c.pipeline.exchange)
     # The learning-rate schedule's unit: a step of the starting global batch
     # (of the starting plan's replicas).
     self.starting_batch_size = autodp.global_batch_size(
@@ -909,7 +909,7 @@ class Trainer:
     run's starting global batch, whatever the plan (so
     ``batch_mode='per_pipeline'``, whose batch grows with R, does not recompile
     evaluation at a transition)."""
-    size = self.config.train.get('eval_batch_size', 0)
+    size = self.config.train.eval_batch_size
     if size:
       return int(size)
     return EVAL_BATCH_FACTOR * self.starting_batch_size
@@ -994,7 +994,7 @@ class Trainer:
                                     c.lambda_frozen, num_devices=self.num_devices).partition
       k = partition.pipeline_length
     if (k == old.pipeline_length and not old.has_embed
-        and self.config.freeze.get('keep_slot_width', False)):
+        and self.config.freeze.keep_slot_width):
       # Same K: keep the slot width, so the step compiled for it runs on. Off
       # by default: a padded slot costs every tick (the default model's K = 8
       # step at F = 8: 29.7 ms padded to the two slots of Algorithm 1's F = 4
