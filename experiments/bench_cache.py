@@ -60,8 +60,8 @@ def claim_workdir(path: str) -> str | None:
 _CHECK = """
 import sys
 from experiments import vit_imagenet  # first: it sets up JAX's devices
-from experiments import elastic
-parsed = elastic.parse_command_line(vit_imagenet.__file__, ['check', *sys.argv[1:]])
+from experiments import command_line, elastic
+parsed = command_line.parse_command_line(vit_imagenet.__file__, ['check', *sys.argv[1:]])
 if parsed is None:
   sys.exit(2)
 if parsed[0].distributed.coordinator:

@@ -88,7 +88,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from experiments import elastic, vit_imagenet  # noqa: E402
+from experiments import command_line, elastic, vit_imagenet  # noqa: E402
 from experiments.bench_cache import cpu_and_switches  # noqa: E402
 from models.layered import LayeredModel  # noqa: E402
 from pipejax import diskcache, freeze, schedule  # noqa: E402
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   # The main job's own config file and flags: the same keys, types and checks.
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True,
+  parsed = command_line.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True,
                                       extra_flags=OWN_FLAGS)
   if parsed is None:
     return 2

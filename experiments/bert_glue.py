@@ -37,7 +37,7 @@ runtime.setup(8)
 # pylint: disable=wrong-import-position
 import ml_collections  # noqa: E402
 
-from experiments import elastic, vit_imagenet  # noqa: E402
+from experiments import command_line, vit_imagenet  # noqa: E402
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -70,4 +70,4 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 if __name__ == '__main__':
-  runtime.exit_now(elastic.cli(__file__, task='bert_glue'))
+  runtime.exit_now(command_line.cli(__file__, task='bert_glue'))

@@ -30,7 +30,7 @@ runtime.setup(8)
 # pylint: disable=wrong-import-position
 import ml_collections  # noqa: E402
 
-from experiments import bert_glue, elastic  # noqa: E402
+from experiments import bert_glue, command_line  # noqa: E402
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -56,4 +56,4 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 if __name__ == '__main__':
-  runtime.exit_now(elastic.cli(__file__, task='bert_squad'))
+  runtime.exit_now(command_line.cli(__file__, task='bert_squad'))

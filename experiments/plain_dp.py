@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from experiments import elastic, vit_imagenet  # noqa: E402
+from experiments import command_line, elastic, vit_imagenet  # noqa: E402
 from pipejax import autodp, reporting  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.optimizer import optimizer_for  # noqa: E402
@@ -163,7 +163,7 @@ def _run(config, workdir: str, held: contextlib.ExitStack) -> dict:
 
 
 def main(argv=None) -> int:
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
+  parsed = command_line.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
   config, workdir = parsed

@@ -27,7 +27,7 @@ runtime.setup(8)
 # pylint: disable=wrong-import-position
 import jax  # noqa: E402
 
-from experiments import elastic, reproduce, vit_imagenet  # noqa: E402
+from experiments import command_line, elastic, reproduce, vit_imagenet  # noqa: E402
 from pipejax import autopipe, freeze  # noqa: E402
 from pipejax.data import Loader  # noqa: E402
 from pipejax.trainer import Trainer  # noqa: E402
@@ -52,7 +52,7 @@ def pipeline_lengths(trainer: Trainer, config, num_layers: int) -> dict:
 
 
 def main(argv=None) -> int:
-  parsed = elastic.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
+  parsed = command_line.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True)
   if parsed is None:
     return 2
   try:

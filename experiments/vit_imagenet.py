@@ -25,7 +25,7 @@ runtime.setup(8)
 # pylint: disable=wrong-import-position
 import ml_collections  # noqa: E402
 
-from experiments import datasets, elastic  # noqa: E402
+from experiments import command_line, datasets  # noqa: E402
 from pipejax import autopipe  # noqa: E402
 
 
@@ -112,4 +112,4 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 if __name__ == '__main__':
-  runtime.exit_now(elastic.cli(__file__, task='vit'))
+  runtime.exit_now(command_line.cli(__file__, task='vit'))

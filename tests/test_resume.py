@@ -1524,7 +1524,7 @@ def test_sigkill_then_sigterm_then_same_command_equals_uninterrupted(tmp_path):
 # test needs: orbax finalises the save only then. A file says when the wait begins.
 _HELD_STOP_SAVE = """
 import os, threading
-from experiments import elastic, vit_imagenet
+from experiments import command_line, vit_imagenet
 from pipejax import checkpoints, runtime
 started = checkpoints.Checkpoints.save
 interrupted = threading.Event()
@@ -1544,7 +1544,7 @@ def save(self, step, state, meta, wait=False):
     raise
 
 checkpoints.Checkpoints.save = save
-runtime.exit_now(elastic.cli(vit_imagenet.__file__, task='vit'))
+runtime.exit_now(command_line.cli(vit_imagenet.__file__, task='vit'))
 """
 
 
