@@ -156,6 +156,15 @@ def in_hf_cache(name: str, files: tuple[str, ...]) -> bool:
     return False
 
 
+def _not_found_offline(path: str) -> bool:
+  """Whether ``path`` names no folder and a hub model that the local HF cache
+  lacks, while the Hub is offline (``HF_HUB_OFFLINE``: pipejax's default)."""
+  import os  # noqa: PLC0415
+  from huggingface_hub import constants  # noqa: PLC0415
+  return (bool(constants.HF_HUB_OFFLINE) and not os.path.exists(os.path.expanduser(path))
+          and not path.startswith(('/', '.', '~')) and not in_hf_cache(path, ('config.json',)))
+
+
 #: Weights a checkpoint may lack, freshly initialised from the seed: the task
 #: heads (a classifier of another size or none, a new QA head) and the
 #: pooler (absent from masked-LM checkpoints), as HF initialises them.
@@ -272,6 +281,12 @@ def _from_pretrained(hf_class, path: str, num_labels: int | None = None, seed: i
   except MemoryError:
     raise
   except Exception as e:  # noqa: BLE001 - transformers, safetensors, msgpack, a missing torch
+    if _not_found_offline(path):  # HF would say it could not connect, which it did not try
+      raise ValueError(
+          f'cannot load pretrained model from {path!r}: it is no local directory, and the local '
+          f'HF cache holds no model of that name; download it into the HF cache where the Hub '
+          f'can be reached (huggingface-cli download {path}) or give a local directory '
+          f'(pipejax reads the Hub offline unless HF_HUB_OFFLINE=0)') from e
     text = str(e).strip()
     detail = text.splitlines()[0] if text else type(e).__name__
     raise ValueError(f'cannot load pretrained model from {path!r}: {detail}') from e

@@ -427,6 +427,28 @@ def test_pretrained_hub_names_load_from_the_cache_with_flax_or_pytorch_weights(t
       np.testing.assert_array_equal(loaded[key], value, err_msg=f'{name} {key}')
 
 
+def test_a_hub_name_the_offline_cache_lacks_says_how_to_get_it(tmp_path):
+  """With the Hub offline (the tests', as pipejax's default), a hub name that
+  the local HF cache lacks is said as such, with the command that fetches it,
+  not as HF's "couldn't connect", which it never tried; a path that names no
+  folder keeps HF's own message."""
+  from huggingface_hub import constants  # noqa: PLC0415
+  assert constants.HF_HUB_OFFLINE
+  name = 'pipejax-test/no-such-model'
+  with pytest.raises(ValueError) as missing:
+    models.create('vit', pretrained=name, num_labels=10)
+  assert str(missing.value) == (
+      f"cannot load pretrained model from '{name}': it is no local directory, and the local HF "
+      f"cache holds no model of that name; download it into the HF cache where the Hub can be "
+      f"reached (huggingface-cli download {name}) or give a local directory (pipejax reads the "
+      f"Hub offline unless HF_HUB_OFFLINE=0)")
+  folder = str(tmp_path / 'no-such-folder')
+  with pytest.raises(ValueError) as absent:
+    models.create('vit', pretrained=folder, num_labels=10)
+  assert str(absent.value).startswith(f"cannot load pretrained model from '{folder}': ")
+  assert 'huggingface-cli' not in str(absent.value)
+
+
 def _vit_config(**overrides):
   return models.config_for('vit', **dict(fixtures.TINY['vit'], num_hidden_layers=2, **overrides))
 
