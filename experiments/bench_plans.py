@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     return 2
   # The main job's own config file and flags: the same keys, types and checks.
   parsed = command_line.parse_command_line(vit_imagenet.__file__, argv, require_workdir=True,
-                                      extra_flags=OWN_FLAGS)
+                                           extra_flags=OWN_FLAGS)
   if parsed is None:
     return 2
   config, workdir = parsed

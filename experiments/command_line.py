@@ -15,6 +15,7 @@ from typing import Sequence
 import ml_collections
 
 from experiments import config_keys, elastic
+from experiments.elastic import ConfigError, _log, expand_user_paths  # noqa: PLC2701
 from pipejax import distributed
 
 
@@ -138,7 +139,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
                                       'the run configuration', lock_config=True, sys_argv=argv)
     flags.DEFINE_string('workdir', None, 'output directory (default: ./runs/<fresh>)')
     rest = flags.FLAGS(argv)
-  except elastic.ConfigError as e:
+  except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return None
   except Exception as e:  # noqa: BLE001 - absl and ml_collections raise many types
@@ -157,7 +158,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
       _check_kinds(flags.FLAGS.config, loaded, config_file)
     elif given is not None and os.path.realpath(given) != os.path.realpath(config_file):
       _check_kinds(flags.FLAGS.config, given, config_file)
-  except elastic.ConfigError as e:
+  except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return None
   if missing:
@@ -185,7 +186,7 @@ def parse_command_line(config_file: str, argv=None, require_workdir: bool = Fals
     print('error: --workdir=DIR is required', file=sys.stderr)
     return None
   config = flags.FLAGS.config
-  return config, elastic.expand_user_paths(config, flags.FLAGS.workdir)
+  return config, expand_user_paths(config, flags.FLAGS.workdir)
 
 
 def _load_config_file(path: str):
@@ -230,15 +231,15 @@ def _user_config_file(given: str, config_file: str, missing_out: dict | None = N
   try:
     config = _load_config_file(given)
   except OSError as e:  # missing, a directory, unreadable
-    raise elastic.ConfigError(f'cannot load the --config file: {e}') from e
+    raise ConfigError(f'cannot load the --config file: {e}') from e
   except Exception as e:  # noqa: BLE001 - whatever the file's code raises
     detail = distributed.first_line(str(e), 200)
     hint = ('; a copy of an entry point\'s get_config() needs its imports too'
             if isinstance(e, NameError) else '')
-    raise elastic.ConfigError(f'cannot load the --config file {given}: {type(e).__name__}'
+    raise ConfigError(f'cannot load the --config file {given}: {type(e).__name__}'
                       + (f': {detail}' if detail else '') + hint) from e
   if not isinstance(config, ml_collections.ConfigDict):
-    raise elastic.ConfigError(f'get_config() of the --config file {given} returned a '
+    raise ConfigError(f'get_config() of the --config file {given} returned a '
                       f'{type(config).__name__}, not an ml_collections.ConfigDict')
   _hold_against(config, given, config_file, missing_out)
   return config
@@ -263,7 +264,7 @@ def _same_kind(value, default) -> bool:
 
 
 def _check_kinds(config, given: str, config_file: str) -> None:
-  """Refuses (:class:`~experiments.elastic.ConfigError`, one line) a value of the configuration
+  """Refuses (:class:`ConfigError`, one line) a value of the configuration
   ``config``, read from the user's ``--config`` file ``given`` and the
   command line's overrides, of another type than the command's default
   (``config_file``'s): a str batch size, a placeholder left unset. Run once
@@ -275,7 +276,7 @@ def _check_kinds(config, given: str, config_file: str) -> None:
   if wrong:
     key, value = wrong[0]
     more = len(wrong) - 1
-    raise elastic.ConfigError(f'the --config file {given} sets {key} to {value!r:.60} '
+    raise ConfigError(f'the --config file {given} sets {key} to {value!r:.60} '
                       f'({_a(type(value).__name__)}), where this command takes '
                       f'{_a(type(known[key]).__name__)} (default: {known[key]!r})' +
                       (f' (and {more} more such key{"s" * (more > 1)})' if more else ''))
@@ -315,15 +316,14 @@ def _hold_against(config, given: str, config_file: str,
   for key in unknown:
     inside = next((k for k in known if k.startswith(key + '.')), None)
     if inside is not None:  # e.g. c.train = 5
-      raise elastic.ConfigError(f'the --config file {given} sets {key!r} to a value, where this '
+      raise ConfigError(f'the --config file {given} sets {key!r} to a value, where this '
                         f'command has a group of keys ({inside} among them)')
   typos = [key for key in unknown if not is_reference(key)]
   if typos:
-    raise elastic.ConfigError(f'the --config file {given} sets {", ".join(map(named, typos))}, '
-                              f'which '
+    raise ConfigError(f'the --config file {given} sets {", ".join(map(named, typos))}, which '
                       f'this command does not have (--help lists the keys)')
   if unknown:
-    elastic._log(f'note: the --config file {given} sets {len(unknown)} reference'
+    _log(f'note: the --config file {given} sets {len(unknown)} reference'
          f'{"s" * (len(unknown) > 1)} that this command does not read itself: '
          f'{", ".join(map(repr, unknown))}')
   missing = [key for key in known if key not in ours]
@@ -355,7 +355,7 @@ def _note_missing(config, given: str, missing: dict) -> None:
           if now[key] == missing[key]]
   overridden = [f'{key}={config_keys.shown(now[key])}' for key in missing
                 if now[key] != missing[key]]
-  elastic._log(f'note: the --config file {given} lacks {len(missing)} key'
+  _log(f'note: the --config file {given} lacks {len(missing)} key'
        f'{"s" * (len(missing) > 1)} (written for an earlier pipejax?); '
        + (f'the defaults are used: {", ".join(said)}' if said else '')
        + ('; ' if said and overridden else '')
